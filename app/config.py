@@ -1,0 +1,168 @@
+"""Configuration from the environment (DESIGN.md "Configuration").
+
+Bad values are fatal and named: a rank that selected this exporter and got
+the directory wrong must fail loudly at startup, not run without telemetry.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from store import EventType, parse_buckets
+
+log = logging.getLogger("nixl_prometheus_mp")
+
+DIR_ENV = "NIXL_TELEMETRY_MULTIPROC_DIR"
+PORT_ENV = "NIXL_TELEMETRY_PROMETHEUS_PORT"
+LOCAL_ENV = "NIXL_TELEMETRY_PROMETHEUS_LOCAL"
+RANK_ENV_ENV = "NIXL_TELEMETRY_RANK_ENV"
+TTL_ENV = "NIXL_TELEMETRY_MP_STALE_TTL"
+ENABLED_ENV = "NIXL_TELEMETRY_ENABLED_METRICS"
+ENABLE_ENV = "NIXL_TELEMETRY_ENABLE"
+EXPORTER_ENV = "NIXL_TELEMETRY_EXPORTER"
+
+DEFAULT_PORT = 9090
+DEFAULT_TTL_S = 30.0
+EXPORTER_NAME = "prometheus_mp"
+_TRUE = frozenset({"y", "yes", "on", "true", "1"})
+_FALSE = frozenset({"", "n", "no", "off", "false", "0"})
+
+
+class ConfigError(ValueError):
+    """A configuration value this exporter cannot run with; names the variable."""
+
+
+def parse_flag(name: str, text: str | None) -> bool:
+    word = (text or "").strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a yes/no word (use one of y, yes, on, true, 1 or n, no, off, false, 0)")
+
+
+def _port(text: str | None) -> int:
+    if text is None or not text.strip():
+        return DEFAULT_PORT
+    try:
+        port = int(text)
+    except ValueError:
+        raise ConfigError(f"{PORT_ENV}={text!r} is not an integer port number") from None
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{PORT_ENV}={text!r} is outside 1..65535")
+    return port
+
+
+def _ttl(text: str | None) -> float:
+    if text is None or not text.strip():
+        return DEFAULT_TTL_S
+    try:
+        ttl = float(text)
+    except ValueError:
+        raise ConfigError(f"{TTL_ENV}={text!r} is not a number of seconds") from None
+    if not math.isfinite(ttl) or ttl < 0:
+        raise ConfigError(f"{TTL_ENV}={text!r} must be a finite number of seconds >= 0")
+    return ttl
+
+
+def _enabled(text: str | None) -> frozenset[EventType]:
+    """Globs over event names, matched with or without the AGENT_ prefix, any case."""
+    if text is None or not text.strip():
+        return frozenset(EventType)
+    enabled: set[EventType] = set()
+    for pattern in (p.strip().upper() for p in text.split(",")):
+        if not pattern:
+            continue
+        matched = {e for e in EventType if fnmatch.fnmatchcase(e.name, pattern)
+                   or fnmatch.fnmatchcase(e.name.removeprefix("AGENT_"), pattern)}
+        if not matched:
+            log.warning("%s: the pattern %r matches no event type, so it enables nothing; valid names are %s",
+                        ENABLED_ENV, pattern, ", ".join(e.name for e in EventType))
+        enabled |= matched
+    return frozenset(enabled)
+
+
+@dataclass(frozen=True)
+class Config:
+    directory: Path
+    port: int = DEFAULT_PORT
+    local: bool = False
+    rank_env: str = "LOCAL_RANK"
+    local_rank: str = ""
+    stale_ttl_s: float = DEFAULT_TTL_S
+    buckets: tuple[float, ...] = ()
+    enabled: frozenset[EventType] = frozenset(EventType)
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1" if self.local else "0.0.0.0"
+
+    @property
+    def address(self) -> str:
+        """``host:port``, the election's and the lock file's name for this endpoint."""
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        env = os.environ if environ is None else environ
+        directory = env.get(DIR_ENV, "")
+        if not directory.strip():
+            raise ConfigError(f"{DIR_ENV} is required: set it to a directory shared by every rank of the run "
+                              "(for example /run/nixl_metrics)")
+        rank_env = env.get(RANK_ENV_ENV, "").strip() or "LOCAL_RANK"
+        try:
+            buckets = parse_buckets(env.get("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US"))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return cls(
+            directory=Path(directory),
+            port=_port(env.get(PORT_ENV)),
+            local=parse_flag(LOCAL_ENV, env.get(LOCAL_ENV)),
+            rank_env=rank_env,
+            local_rank=env.get(rank_env, ""),
+            stale_ttl_s=_ttl(env.get(TTL_ENV)),
+            buckets=buckets,
+            enabled=_enabled(env.get(ENABLED_ENV)),
+        )
+
+
+def prepare_directory(directory: Path) -> list[str]:
+    """Create the directory 0700 if missing; return warnings about an existing one.
+
+    An existing directory is left as it is: it may be a Kubernetes emptyDir
+    whose mode the operator chose.
+    """
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+        os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"{DIR_ENV}={str(directory)!r} cannot be created: {os.strerror(exc.errno or 0)}") from None
+    return directory_warnings(directory)
+
+
+def directory_warnings(directory: Path) -> list[str]:
+    """Why a directory is not private to this user (empty when it is)."""
+    try:
+        st = os.stat(directory)
+    except OSError as exc:
+        raise ConfigError(f"{DIR_ENV}={str(directory)!r} is not accessible: {os.strerror(exc.errno or 0)}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{DIR_ENV}={str(directory)!r} is not a directory")
+    problems = []
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problems.append(f"{directory} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}): another "
+                        "user could plant files the owner would read, truncate or unlink; use a private 0700 "
+                        f"directory for {DIR_ENV}")
+    if st.st_uid != os.geteuid():
+        problems.append(f"{directory} is owned by uid {st.st_uid}, not this process's uid {os.geteuid()}: "
+                        f"use a directory owned by the run's user for {DIR_ENV}")
+    return problems

@@ -1,0 +1,190 @@
+"""The scrape endpoint: claim the address, serve it, give it back.
+
+The election decides who may bind; the bind can still fail when something
+outside the run holds the port.  Then nothing aggregates the directory on
+that address, so the winner warns and concedes the election: once the port
+frees, whichever rank wins next takes the address over.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+
+from app.web import MetricsApp
+from election import Outcome, OwnerElection
+
+log = logging.getLogger("nixl_prometheus_mp.endpoint")
+
+RETRY_NS = 200_000_000  # a writer re-runs the election at most every 200 ms
+BACKOFF_NS = 5_000_000_000  # ... but every 5 s once a won election failed to bind
+NEVER = 1 << 63
+_POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency
+_REQUEST_TIMEOUT_S = 10.0  # a stalled client frees its thread after this
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One log line per scrape would drown the rank's own logs."""
+
+    timeout = _REQUEST_TIMEOUT_S
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind and listen ourselves, so a failure is ours to report.
+
+    (werkzeug's own bind prints to stderr and calls sys.exit on failure,
+    which must never happen inside a rank.)  SO_REUSEADDR lets a new owner
+    bind while the dead owner's connections sit in TIME_WAIT; it does not
+    let two processes listen on one port.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BaseWSGIServer, threading.Thread]:
+    """A threaded werkzeug server on an already-bound socket, on a daemon thread."""
+    host, port = sock.getsockname()[:2]
+    server = make_server(host, port, app, threaded=True, request_handler=_QuietHandler, fd=sock.fileno())
+    sock.close()  # the server holds its own duplicate
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name=name,
+                              daemon=True)
+    thread.start()
+    return server, thread
+
+
+_endpoints: weakref.WeakSet[ScrapeEndpoint] = weakref.WeakSet()
+
+
+class ScrapeEndpoint:
+    """This process's claim on one scrape address."""
+
+    def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp) -> None:
+        self.election = election
+        self.host, self.port = host, port
+        self.app = app
+        self.serving_since: float | None = None
+        self._server: BaseWSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._bind_warned = False
+        self._lost_logged = False
+        self._closed = False
+        _endpoints.add(self)
+
+    @property
+    def address(self) -> str:
+        return self.election.address
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    def claim(self, now_ns: int | None = None) -> int:
+        """Run the election (and bind if won); returns when to try again (ns)."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        if not self._lock.acquire(blocking=False):
+            return now_ns + RETRY_NS  # another thread of ours is claiming right now
+        try:
+            if self._closed or self._server is not None:
+                return NEVER
+            outcome = self.election.try_win()
+            if outcome is Outcome.LOST:
+                if not self._lost_logged:
+                    self._lost_logged = True
+                    log.info("another process of the run serves %s; this one records its telemetry for it",
+                             self.address)
+                return now_ns + RETRY_NS
+            try:
+                sock = bind_listener(self.host, self.port)
+            except OSError as exc:
+                self._concede(exc)
+                return now_ns + BACKOFF_NS
+            self._server, self._thread = serve_in_thread(sock, self.app, f"nixl-metrics-{self.port}")
+            self.serving_since = time.time()
+            if self._bind_warned or self._lost_logged:
+                log.info("took over %s: this process now serves the run's telemetry", self.address)
+            self._bind_warned = self._lost_logged = False
+            return NEVER
+        finally:
+            self._lock.release()
+
+    def _concede(self, exc: OSError) -> None:
+        self.election.release()
+        if not self._bind_warned:
+            self._bind_warned = True
+            cause = "is in use by another program" if exc.errno == errno.EADDRINUSE else os.strerror(exc.errno or 0)
+            log.warning(
+                "won the election for %s but cannot bind it: the port %s. No rank of this run can be serving it, "
+                "so nothing aggregates %s on that address (a foreign service, a rank using another "
+                "NIXL_TELEMETRY_MULTIPROC_DIR, or the same port on another address?). Retrying every %d s; the "
+                "first rank to win once the port is free takes the address over.",
+                self.address, cause, self.election.directory, BACKOFF_NS // 1_000_000_000)
+
+    def owner_info(self, agent_name: str | None, mode: str) -> dict[str, Any]:
+        since = self.serving_since
+        return {
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "agent_name": agent_name,
+            "address": self.address,
+            "mode": mode,
+            "election": "bind-fallback" if self.election.problem else "flock",
+            "serving_since": None if since is None else datetime.datetime.fromtimestamp(
+                since, datetime.timezone.utc).isoformat(),
+        }
+
+    def close(self) -> None:
+        """Stop serving and free the port, THEN release the election.
+
+        The other order would let a sibling win the election and fail to
+        bind the port we still hold, then back off for seconds.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            server, thread = self._server, self._thread
+            self._server = self._thread = None
+            if server is not None:
+                server.shutdown()  # serve_forever returns and closes the listening socket
+                server.server_close()
+                if thread is not None:
+                    thread.join(timeout=5)
+            self.election.release()
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child never serves the parent's socket nor holds its election."""
+        self._lock = threading.Lock()
+        if self._server is not None:
+            self._server.socket.close()  # our copy only; the parent keeps listening
+        self._server = self._thread = None
+        self.serving_since = None
+        self.election.forget_after_fork()
+
+
+def _after_fork_in_child() -> None:
+    for endpoint in list(_endpoints):
+        endpoint._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,267 @@
+"""Exporter: the per-agent telemetry sink every rank creates.
+
+Construction reads the environment, creates the agent's store and runs the
+owner election; the winner serves every rank's telemetry in-process.  Losers
+are quiet writers that re-run the election as they export, so the owner's
+death costs a gap, not the rest of the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from app.collector import Collector
+from app.config import (
+    ENABLE_ENV,
+    EXPORTER_ENV,
+    EXPORTER_NAME,
+    Config,
+    ConfigError,
+    directory_warnings,
+    parse_flag,
+    prepare_directory,
+)
+from app.endpoint import NEVER, ScrapeEndpoint
+from app.web import MetricsApp, WarningDoc
+from election import OwnerElection, held_addresses_except
+from store import EventType, StoreIdentity, StoreWriter
+from store.metrics import ERROR_EVENTS, error_status
+from store.writer import event_type
+
+log = logging.getLogger("nixl_prometheus_mp")
+
+_instances = itertools.count()  # agent_instance: 0, 1, ... per process
+_instances_lock = threading.Lock()
+_STATUS_EVENTS = {error_status(ev): ev for ev in ERROR_EVENTS}
+
+
+def _next_instance() -> int:
+    with _instances_lock:
+        return next(_instances)
+
+
+def duplicate_owner_warnings(directory: Path, address: str) -> list[WarningDoc]:
+    """/healthz and log text for other live owners of the same directory."""
+    others = held_addresses_except(directory, address)
+    if not others:
+        return []
+    message = (f"{directory} is also served on {', '.join(others)}: every such address exports every rank, so a "
+               "Prometheus scraping more than one sees each series twice. Give every rank the same "
+               "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
+    return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [address, *others]}}]
+
+
+def health_warnings(directory: Path, election: OwnerElection) -> list[WarningDoc]:
+    """The run-level problems /healthz reports besides the collector's."""
+    warnings = duplicate_owner_warnings(directory, election.address)
+    if election.problem:
+        warnings.append({"kind": "unusable-lock", "message": election.problem,
+                         "details": {"lock_file": str(election.path)}})
+    try:
+        for problem in directory_warnings(directory):
+            warnings.append({"kind": "directory-permissions", "message": problem,
+                             "details": {"directory": str(directory)}})
+    except ConfigError as exc:
+        warnings.append({"kind": "directory-permissions", "message": str(exc),
+                         "details": {"directory": str(directory)}})
+    return warnings
+
+
+class Exporter:
+    """One agent's telemetry: its store, and possibly the run's endpoint."""
+
+    def __init__(self, agent_name: str, environ: Mapping[str, str] | None = None) -> None:
+        config = Config.from_env(environ)
+        for problem in prepare_directory(config.directory):
+            log.warning("%s", problem)
+        self.config = config
+        self.agent_name = agent_name
+        identity = StoreIdentity(agent_name, socket.gethostname(), config.local_rank, _next_instance(),
+                                 config.buckets)
+        self._writer = StoreWriter(config.directory, identity, config.enabled)
+        self._recorders = self._writer.recorders
+        election = OwnerElection(config.directory, config.address)
+        collector = Collector(config.directory, config.stale_ttl_s)
+        app = MetricsApp(collector, lambda: self._endpoint.owner_info(agent_name, "in-process"),
+                         lambda: health_warnings(config.directory, election))
+        self._endpoint = ScrapeEndpoint(election, config.host, config.port, app)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._next_claim_ns = self._endpoint.claim()
+        for warning in duplicate_owner_warnings(config.directory, config.address):
+            log.warning("%s", warning["message"])
+        _exporters.add(self)
+
+    # -- properties -----------------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        """True while this process serves its address."""
+        return self._endpoint.serving
+
+    @property
+    def store_path(self) -> Path:
+        return self._writer.path
+
+    @property
+    def address(self) -> str:
+        return self.config.address
+
+    # -- recording --------------------------------------------------------
+
+    def export_event(self, event: EventType | int, value: int) -> None:
+        """Record one event; a writer may take over the endpoint from here.
+
+        Raises ValueError/TypeError, changing nothing, for an unknown event
+        type or a value that is not an unsigned 64-bit integer.
+        """
+        try:
+            recorder = self._recorders[event]
+        except (KeyError, TypeError):
+            event_type(event)
+            raise
+        if recorder(value) >= self._next_claim_ns:
+            self._reclaim()
+
+    def _reclaim(self) -> None:
+        if not self._closed:
+            self._next_claim_ns = self._endpoint.claim()
+
+    def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
+        """The four events NIXL records for one completed transfer."""
+        recorders = self._recorders
+        if is_write:
+            recorders[EventType.AGENT_TX_BYTES](nbytes)
+            recorders[EventType.AGENT_TX_REQUESTS_NUM](1)
+        else:
+            recorders[EventType.AGENT_RX_BYTES](nbytes)
+            recorders[EventType.AGENT_RX_REQUESTS_NUM](1)
+        recorders[EventType.AGENT_XFER_POST_TIME](post_time_us)
+        if recorders[EventType.AGENT_XFER_TIME](xfer_time_us) >= self._next_claim_ns:
+            self._reclaim()
+
+    def record_error(self, status: EventType | str) -> None:
+        """Count one error: an AGENT_ERR_* event type or its status label ("backend")."""
+        if isinstance(status, str):
+            key = status.lower().removeprefix("agent_err_").removeprefix("nixl_err_")
+            if key not in _STATUS_EVENTS:
+                raise ValueError(f"unknown error status {status!r} (valid: {', '.join(_STATUS_EVENTS)})")
+            event = _STATUS_EVENTS[key]
+        else:
+            event = event_type(status)
+            if event not in ERROR_EVENTS:
+                raise ValueError(f"{event.name} is not an error event")
+        self.export_event(event, 1)
+
+    def record_memory_registered(self, nbytes: int) -> None:
+        self.export_event(EventType.AGENT_MEMORY_REGISTERED, nbytes)
+
+    def record_memory_deregistered(self, nbytes: int) -> None:
+        self.export_event(EventType.AGENT_MEMORY_DEREGISTERED, nbytes)
+
+    # -- life cycle -------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving (port freed before the election), then close the store.
+
+        Idempotent and safe from several threads.  The store file stays, with
+        its final values, until the owner reaps it after the stale TTL.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._next_claim_ns = NEVER
+        self._endpoint.close()
+        self._writer.close()
+        _exporters.discard(self)
+
+    def __enter__(self) -> Exporter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        role = "serving" if self.serving else "writer"
+        return f"<Exporter {self.agent_name!r} {role} {self.address} store={self.store_path.name}>"
+
+    def _after_fork_in_child(self) -> None:
+        # The endpoint and writer have their own fork hooks; a child starts as
+        # a writer that may join the election on its next export.
+        self._close_lock = threading.Lock()
+        if not self._closed:
+            self._next_claim_ns = 0
+
+
+_exporters: weakref.WeakSet[Exporter] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for exporter in list(_exporters):
+        exporter._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class NullExporter:
+    """The sink handed out when telemetry is disabled or another exporter is selected."""
+
+    serving = False
+    store_path = None
+
+    def __init__(self, agent_name: str = "", environ: Mapping[str, str] | None = None) -> None:
+        self.agent_name = agent_name
+
+    def export_event(self, event: EventType | int, value: int) -> None:
+        pass
+
+    def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
+        pass
+
+    def record_error(self, status: EventType | str) -> None:
+        pass
+
+    def record_memory_registered(self, nbytes: int) -> None:
+        pass
+
+    def record_memory_deregistered(self, nbytes: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullExporter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def create_exporter(agent_name: str, environ: Mapping[str, str] | None = None) -> Exporter | NullExporter:
+    """An Exporter when NIXL_TELEMETRY_ENABLE is on and NIXL_TELEMETRY_EXPORTER is prometheus_mp.
+
+    Otherwise a NullExporter, so callers need no branches.  Configuration
+    errors of a selected exporter still raise ConfigError.
+    """
+    env = os.environ if environ is None else environ
+    if not parse_flag(ENABLE_ENV, env.get(ENABLE_ENV)):
+        return NullExporter(agent_name)
+    selected = env.get(EXPORTER_ENV, "").strip()
+    if selected != EXPORTER_NAME:
+        log.info("%s=%r selects another exporter; this one records nothing", EXPORTER_ENV, selected)
+        return NullExporter(agent_name)
+    return Exporter(agent_name, env)
+
+

@@ -1,0 +1,188 @@
+"""Owner election: one serving process per scrape address, decided by flock.
+
+The lock, not the bind, elects: two ranks binding concurrently cannot tell
+which of them got there first, so the bind is gated on an exclusive lock on
+``nixl-owner.<address:port>.lock``.  The kernel drops the lock when its
+holder dies, however it dies, so the next rank to try wins and a crash needs
+no cleanup.  Lock files have no contents and are never unlinked: unlinking
+would let a late process lock a fresh inode while another still holds the
+old one, and two owners would serve.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from store.layout import OWNER_LOCK_PREFIX, OWNER_LOCK_SUFFIX
+from store.warnonce import OnceWarner
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: filelock's descriptor lock is the fallback primitive
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger("nixl_prometheus_mp.election")
+_warner = OnceWarner(log)
+
+_OPEN_FLAGS = os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+_PROBE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_WOULD_BLOCK = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
+
+
+def lock_file_name(address: str) -> str:
+    """``nixl-owner.<address:port>.lock`` with ``/`` replaced by ``_``."""
+    return f"{OWNER_LOCK_PREFIX}{address.replace('/', '_')}{OWNER_LOCK_SUFFIX}"
+
+
+class Outcome(Enum):
+    WON = "flock"  # we hold the lock: we serve this address
+    LOST = "lost"  # a sibling holds it: stay a writer
+    FALLBACK = "bind-fallback"  # the lock is unusable: we count as elected, the bind decides
+
+
+def try_lock(fd: int) -> bool:
+    """Non-blocking exclusive lock: True if taken, False if someone holds it.
+
+    Any other failure (ENOLCK, EOPNOTSUPP, ...) raises OSError: the caller
+    must not read it as "a sibling owns the address".
+    """
+    if fcntl is None:
+        import filelock
+
+        _warner.warn("filelock", "fcntl is not available on this platform; the owner election uses filelock's "
+                     "descriptor lock instead, which only excludes processes that use the same primitive.")
+        return filelock.lock_descriptor(fd, blocking=False)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _WOULD_BLOCK:
+            return False
+        raise
+    return True
+
+
+def _unlock(fd: int) -> None:
+    if fcntl is None:
+        import filelock
+
+        filelock.unlock_descriptor(fd)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+@dataclass
+class OwnerElection:
+    """This process's stake in the election for one address."""
+
+    directory: Path
+    address: str
+    _fd: int | None = None
+    held: bool = False
+    problem: str | None = None  # why the lock is unusable, when it is
+
+    @property
+    def path(self) -> Path:
+        return self.directory / lock_file_name(self.address)
+
+    def try_win(self) -> Outcome:
+        """Race for the address; idempotent while we hold it."""
+        if self.held:
+            return Outcome.WON
+        try:
+            if self._fd is None:
+                self._fd = self._open()
+            won = try_lock(self._fd)
+        except OSError as exc:
+            return self._fallback(os.strerror(exc.errno or 0) if exc.errno else str(exc))
+        self.problem = None
+        self.held = won
+        return Outcome.WON if won else Outcome.LOST
+
+    def _open(self) -> int:
+        fd = os.open(self.path, _OPEN_FLAGS, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise OSError(f"{self.path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            os.close(fd)
+            # A co-tenant's planted lock must not demote every rank to writer-only.
+            raise OSError(f"{self.path} is owned by uid {st.st_uid}, not {os.geteuid()}")
+        return fd
+
+    def _fallback(self, reason: str) -> Outcome:
+        self.problem = f"the owner lock {self.path} is unusable ({reason})"
+        _warner.warn(
+            ("fallback", str(self.path), reason),
+            "%s, so this process counts itself elected for %s and the port bind decides who serves; ranks that "
+            "disagree on the port would each serve. Check NIXL_TELEMETRY_MULTIPROC_DIR is a private local "
+            "directory owned by this user on a filesystem with flock.", self.problem, self.address)
+        self._close_fd()
+        return Outcome.FALLBACK
+
+    def release(self) -> None:
+        """Concede: unlock so that the next rank to try wins."""
+        if self._fd is not None and self.held:
+            try:
+                _unlock(self._fd)
+            except OSError:
+                pass  # closing below releases it anyway
+        self.held = False
+        self._close_fd()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the inherited descriptor WITHOUT unlocking.
+
+        The lock belongs to the open file description shared with the parent;
+        LOCK_UN would depose the parent, while keeping the descriptor open
+        would keep the address locked after the parent dies.
+        """
+        self.held = False
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def held_addresses_except(directory: str | os.PathLike[str], address: str) -> list[str]:
+    """The other addresses that some live process is elected on.
+
+    A lock file we can lock is a leftover of an earlier run, not an owner.
+    Only regular files owned by us count: a planted foreign lock proves
+    nothing about the run.
+    """
+    own = lock_file_name(address)
+    found: list[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return found
+    for entry in entries:
+        name = entry.name
+        if name == own or not (name.startswith(OWNER_LOCK_PREFIX) and name.endswith(OWNER_LOCK_SUFFIX)):
+            continue
+        try:
+            fd = os.open(entry.path, _PROBE_FLAGS)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if try_lock(fd):
+                _unlock(fd)  # a leftover: nobody is elected there
+            else:
+                found.append(name[len(OWNER_LOCK_PREFIX):-len(OWNER_LOCK_SUFFIX)])
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return sorted(found)
