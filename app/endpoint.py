@@ -130,6 +130,12 @@ class ScrapeEndpoint:
 
     def _concede(self, exc: OSError) -> None:
         self.election.release()
+        if self.election.problem:
+            # Without a usable lock every rank counts itself elected and the
+            # bind decides: losing it most likely means a sibling serves.
+            log.info("cannot bind %s (%s); with the owner lock unusable, another rank of the run probably "
+                     "serves it", self.address, os.strerror(exc.errno or 0))
+            return
         if not self._bind_warned:
             self._bind_warned = True
             cause = "is in use by another program" if exc.errno == errno.EADDRINUSE else os.strerror(exc.errno or 0)

@@ -89,17 +89,25 @@ class Exporter:
                                  config.buckets)
         self._writer = StoreWriter(config.directory, identity, config.enabled)
         self._recorders = self._writer.recorders
+        self._close_lock = threading.Lock()
+        self._closed = False
+        try:
+            self._start_endpoint(config, agent_name)
+        except BaseException:
+            self._writer.close()  # never leave a locked store behind a failed constructor
+            raise
+        _exporters.add(self)
+
+    def _start_endpoint(self, config: Config, agent_name: str) -> None:
+        """Run the election (serving if won) and report other live owners."""
         election = OwnerElection(config.directory, config.address)
         collector = Collector(config.directory, config.stale_ttl_s)
         app = MetricsApp(collector, lambda: self._endpoint.owner_info(agent_name, "in-process"),
                          lambda: health_warnings(config.directory, election))
         self._endpoint = ScrapeEndpoint(election, config.host, config.port, app)
-        self._close_lock = threading.Lock()
-        self._closed = False
         self._next_claim_ns = self._endpoint.claim()
         for warning in duplicate_owner_warnings(config.directory, config.address):
             log.warning("%s", warning["message"])
-        _exporters.add(self)
 
     # -- properties -----------------------------------------------------
 
