@@ -1,0 +1,80 @@
+"""Shared fixtures.  Store tests use: tmp_dir, make_identity, make_writer, lock_probe."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import store
+from store import StoreIdentity, StoreWriter
+
+PROJECT_ROOT = Path(store.__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tmp_dir(tmp_path: Path) -> Path:
+    """A fresh, empty directory with mode 0700 (what the exporter asks operators for)."""
+    path = tmp_path / "mp"
+    path.mkdir(mode=0o700)
+    path.chmod(0o700)  # mkdir's mode is narrowed by the umask; be exact
+    return path
+
+
+@pytest.fixture
+def make_identity() -> Callable[..., StoreIdentity]:
+    """Build a StoreIdentity with sensible defaults; override any field by keyword."""
+
+    def build(agent_name: str = "agent-0", hostname: str = "host-a", local_rank: str = "",
+              instance: int = 0, bounds: tuple[float, ...] = store.DEFAULT_BUCKETS_US) -> StoreIdentity:
+        return StoreIdentity(agent_name=agent_name, hostname=hostname, local_rank=local_rank,
+                             instance=instance, bounds=tuple(bounds))
+
+    return build
+
+
+@pytest.fixture
+def make_writer(tmp_dir: Path, make_identity: Callable[..., StoreIdentity]) -> Iterator[Callable[..., StoreWriter]]:
+    """Create StoreWriters in ``tmp_dir`` (identity fields as keywords); all closed at teardown."""
+    writers: list[StoreWriter] = []
+
+    def build(directory: Path | None = None, enabled=None, **identity_fields) -> StoreWriter:
+        writer = StoreWriter(tmp_dir if directory is None else directory, make_identity(**identity_fields),
+                             enabled=enabled)
+        writers.append(writer)
+        return writer
+
+    yield build
+    for writer in writers:
+        writer.close()
+
+
+_LOCK_PROBE = textwrap.dedent("""
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(3)
+    sys.exit(0)
+""")
+
+
+def _lock_free_elsewhere(path: str | os.PathLike[str]) -> bool:
+    """Whether another process can take LOCK_EX|LOCK_NB on ``path`` (i.e. no writer holds it)."""
+    done = subprocess.run([sys.executable, "-c", _LOCK_PROBE, os.fspath(path)], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode not in (0, 3):
+        raise AssertionError(f"lock probe failed: rc={done.returncode} {done.stderr}")
+    return done.returncode == 0
+
+
+@pytest.fixture
+def lock_probe() -> Callable[[str | os.PathLike[str]], bool]:
+    """``lock_probe(path)``: True if a separate process can flock(LOCK_EX|LOCK_NB) the file."""
+    return _lock_free_elsewhere
