@@ -301,8 +301,9 @@ class StoreWriter:
             self._live[0] = False
             for ev in EventType:
                 self.recorders[int(ev)] = _closed_recorder
-            self._unmap()
-            os.close(self._fd)  # the last reference: this is what releases the flock
+            if self._fd >= 0:  # -1 in a forked child that has not written yet
+                self._unmap()
+                os.close(self._fd)  # the last reference: this is what releases the flock
         _writers.discard(self)
 
     @property
@@ -323,11 +324,13 @@ class StoreWriter:
         self._lock = threading.Lock()  # may have been held by a parent thread at fork
         if self._closed:
             return
+        self._live[0] = False  # heartbeat() must not touch the released mapping
         try:
             self._unmap()
         except (BufferError, ValueError):
             pass  # an export still alive in the child; the mapping dies with it
         os.close(self._fd)
+        self._fd = -1  # close() must not close a number the child may have reused
         for ev in EventType:
             self.recorders[int(ev)] = functools.partial(self._respawn, int(ev))
 
