@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, PORT_ENV, TTL_ENV, ConfigError
@@ -117,9 +117,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from app.endpoint import bind_listener, serve_in_thread
-    from app.standalone import build_app, hold_election, release_election, standalone_config
+    from app.standalone import build_app, hold_election, prepare_standalone, release_election
 
-    config = standalone_config()
+    config = prepare_standalone()
     hold_election(config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -202,8 +202,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # -- entry point ------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line too (the usage is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="NIXL multi-process Prometheus telemetry exporter")
+    parser = _Parser(prog=PROG, description="NIXL multi-process Prometheus telemetry exporter")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run N rank processes recording NIXL-like transfers behind one endpoint")
     demo.add_argument("--ranks", type=int, default=4, help="rank processes to start (default 4)")

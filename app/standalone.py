@@ -10,22 +10,35 @@ reader only probes, and reaping re-checks under an exclusive lock.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from app.collector import Collector
-from app.config import DIR_ENV, Config, ConfigError
+from app.config import DIR_ENV, Config, ConfigError, prepare_directory
 from app.endpoint import RETRY_NS
 from app.exporter import health_warnings
 from app.web import MetricsApp
 from election import Outcome, OwnerElection
 
+try:
+    from gunicorn.errors import AppImportError as _AppLoadError
+except ImportError:  # gunicorn is a run-time dependency, but the app must not need it to import
+    class _AppLoadError(Exception):  # type: ignore[no-redef]
+        pass
+
 log = logging.getLogger("nixl_prometheus_mp.standalone")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class AggregatorConfigError(ConfigError, _AppLoadError):
+    """A ConfigError that gunicorn reports as one line (it is an AppImportError), not a traceback."""
 
 
 class _MasterState:
@@ -46,6 +59,19 @@ def standalone_config(environ: Mapping[str, str] | None = None) -> Config:
         raise ConfigError(f"{DIR_ENV} is required: the aggregator serves the stores of the ranks that share it "
                           "(set it to the same directory as the ranks, e.g. /run/nixl_metrics)")
     return Config.from_env(env)
+
+
+def prepare_standalone(environ: Mapping[str, str] | None = None) -> Config:
+    """The aggregator's configuration, with the directory created 0700 if missing.
+
+    The master elects before any rank may have created the directory (a
+    sidecar usually starts first): without it, the lock file could not be
+    opened and the election would fall back to the bind.
+    """
+    config = standalone_config(environ)
+    for problem in prepare_directory(config.directory):
+        log.warning("%s", problem)
+    return config
 
 
 def hold_election(config: Config, stop_after_s: float | None = None) -> Outcome:
@@ -74,9 +100,28 @@ def release_election() -> None:
 
 
 def worker_forked() -> None:
-    """In a gunicorn worker: drop the inherited election descriptor, never unlocking it."""
+    """In a gunicorn worker: drop the inherited election descriptor, never unlocking it.
+
+    And die with the master: gunicorn's workers only notice a dead master
+    about a second later, and until they exit they keep listening on the
+    address, so the rank that wins the released election could not bind it
+    and would back off for seconds.
+    """
     if _master.election is not None and _master.pid != os.getpid():
         _master.election.forget_after_fork()
+        _die_with(_master.pid)
+
+
+def _die_with(master_pid: int | None) -> None:
+    """PR_SET_PDEATHSIG: SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if master_pid is not None and os.getppid() != master_pid:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _owner_info(config: Config) -> dict[str, Any]:
@@ -113,5 +158,9 @@ def standalone_app() -> MetricsApp:
     """``app.wsgi``: one app per process, configured from the environment."""
     global _app
     if _app is None:
-        _app = build_app(standalone_config())
+        try:
+            config = standalone_config()
+        except ConfigError as exc:
+            raise AggregatorConfigError(str(exc)) from None
+        _app = build_app(config)
     return _app

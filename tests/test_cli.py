@@ -1,0 +1,208 @@
+"""``python -m app``: demo, serve and inspect, run as an operator would.
+
+Errors must be one line on stderr with a non-zero exit status and never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support_e2e import (
+    REPO,
+    by_rank,
+    expected,
+    free_port,
+    get_json,
+    http_get,
+    parse_text,
+    rank_env,
+    reaper,
+    wait_ready,
+    wait_until,
+)
+
+from store import EventType, StoreIdentity, StoreWriter
+
+CLI = [sys.executable, "-m", "app"]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert done.returncode != 0, done
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("nixl-prometheus-mp"), lines
+    assert "error:" in lines[0], lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+# -- demo -------------------------------------------------------------------
+
+def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
+    port = free_port()
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))  # the demo's own temp dir lands in tmp_path
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
+    with reaper() as r:
+        demo = r.start([*CLI, "demo", "--ranks", "3", "--port", str(port), "--duration", "3"], env)
+
+        def three_ranks() -> dict[str, float] | None:
+            status, _, body = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+            ranks = by_rank(parse_text(body), "agent_tx_requests_num_total") if status == 200 else {}
+            return ranks if set(ranks) == {"0", "1", "2"} else None
+
+        wait_until(three_ranks, 10, "/metrics to show the demo's three ranks")
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert health["owner"]["mode"] == "in-process"
+        assert sorted(rank["local_rank"] for rank in health["live"]) == ["0", "1", "2"]
+        assert demo.popen.wait(timeout=20) == 0, demo.output
+
+    out = demo.output.splitlines()
+    assert any(f"http://127.0.0.1:{port}/metrics" in line and "3 ranks recording into" in line for line in out), out
+    directory = next(line for line in out if "ranks recording into" in line).split(" into ")[1].split(";")[0]
+    assert Path(directory).parent == tmp_path
+    summaries = [line for line in out if line.startswith("ranks live ")]
+    assert len(summaries) >= 3, out  # one a second while the ranks run, and the final one
+    assert any(line.startswith("ranks live 3 departed 0") for line in summaries), summaries
+    assert summaries[-1].startswith("ranks live 0 departed 3 | transfers "), summaries
+    assert "Traceback" not in demo.output
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_demo_rejects_a_rank_count_below_one(value: str) -> None:
+    assert_one_line_error(run_cli("demo", "--ranks", value, "--duration", "1"), "--ranks", value)
+
+
+def test_demo_rejects_a_rank_count_that_is_not_a_number() -> None:
+    assert_one_line_error(run_cli("demo", "--ranks", "three"), "--ranks", "three")
+
+
+def test_unknown_command_is_one_line() -> None:
+    assert_one_line_error(run_cli("frobnicate"), "frobnicate")
+
+
+# -- serve ------------------------------------------------------------------
+
+def test_serve_aggregates_a_directory(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        serve = r.start([*CLI, "serve"], rank_env(directory, port))
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 15,
+                   "python -m app serve to answer /healthz")
+        assert directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
+        ranks = [r.rank(directory, port, rank) for rank in range(2)]
+        assert [wait_ready(rank) for rank in ranks] == [False, False]  # the aggregator holds the address
+
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert health["owner"]["mode"] == "standalone"
+        assert health["owner"]["pid"] == serve.pid
+        assert health["owner"]["election"] == "flock"
+        assert sorted(rank["pid"] for rank in health["live"]) == sorted(rank.pid for rank in ranks)
+        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
+        assert by_rank(samples, "agent_tx_bytes_total") == {str(i): expected(i)["agent_tx_bytes_total"]
+                                                            for i in range(2)}
+
+        serve.killpg(signal.SIGTERM)
+        assert serve.popen.wait(timeout=10) == 0, serve.output
+        assert "Traceback" not in serve.output
+
+
+def test_serve_without_the_directory_is_one_line(tmp_path: Path) -> None:
+    env = rank_env(tmp_path, free_port())
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
+    assert_one_line_error(run_cli("serve", env=env), "NIXL_TELEMETRY_MULTIPROC_DIR")
+
+
+def test_serve_with_a_bad_port_is_one_line(tmp_path: Path) -> None:
+    env = rank_env(tmp_path / "mp", 9, NIXL_TELEMETRY_PROMETHEUS_PORT="ninety")
+    assert_one_line_error(run_cli("serve", env=env), "NIXL_TELEMETRY_PROMETHEUS_PORT", "ninety")
+
+
+# -- inspect ----------------------------------------------------------------
+
+@pytest.fixture
+def stores(tmp_path: Path):
+    """A directory with one live store (rank 0, held here) and one departed one (rank 1)."""
+    directory = tmp_path / "mp"
+    directory.mkdir(mode=0o700)
+    live = StoreWriter(directory, StoreIdentity("agent-live", "host-a", "0", 0, (10.0, 100.0)))
+    gone = StoreWriter(directory, StoreIdentity("agent-gone", "host-b", "1", 3, (10.0, 100.0)))
+    live.record(EventType.AGENT_TX_BYTES, 4096)
+    live.record(EventType.AGENT_TX_REQUESTS_NUM, 2)
+    live.record(EventType.AGENT_ERR_BACKEND, 1)
+    gone.record(EventType.AGENT_RX_BYTES, 512)
+    gone.record(EventType.AGENT_RX_REQUESTS_NUM, 1)
+    gone.close()
+    try:
+        yield directory
+    finally:
+        live.close()
+
+
+def test_inspect_prints_a_table(stores: Path) -> None:
+    done = run_cli("inspect", str(stores))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)", "TX", "BYTES", "RX", "BYTES",
+                                "REQUESTS", "ERRORS"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) == {"agent-live", "agent-gone"}
+    live, gone = rows["agent-live"], rows["agent-gone"]
+    assert (live[2], live[3], live[4], live[6], live[7], live[8], live[9]) == ("0", "0", "alive", "4096", "0", "2",
+                                                                               "1")
+    assert (gone[2], gone[3], gone[4], gone[6], gone[7], gone[8], gone[9]) == ("3", "1", "departed", "0", "512",
+                                                                               "1", "0")
+    assert len(list(stores.iterdir())) == 2  # inspect never reaps
+
+
+def test_inspect_json(stores: Path) -> None:
+    done = run_cli("inspect", "--json", str(stores))
+    assert done.returncode == 0, done.stderr
+    rows = {row["agent_name"]: row for row in json.loads(done.stdout)}
+    assert set(rows) == {"agent-live", "agent-gone"}
+    live, gone = rows["agent-live"], rows["agent-gone"]
+    assert live["alive"] is True and gone["alive"] is False
+    assert (live["tx_bytes"], live["requests"], live["errors"], live["local_rank"]) == (4096, 2, 1, "0")
+    assert (gone["rx_bytes"], gone["requests"], gone["agent_instance"], gone["hostname"]) == (512, 1, 3, "host-b")
+    for row in rows.values():
+        assert row["store"].startswith("nixl.") and row["store"].endswith(".mmap")
+        assert isinstance(row["pid"], int) and row["age_s"] >= 0
+
+
+def test_inspect_an_empty_directory(tmp_path: Path) -> None:
+    done = run_cli("inspect", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert f"(no stores in {tmp_path})" in done.stdout
+    assert json.loads(run_cli("inspect", "--json", str(tmp_path)).stdout) == []
+
+
+def test_inspect_a_missing_directory_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("inspect", str(tmp_path / "nope")), "cannot list", "nope")
+
+
+def test_inspect_without_a_directory_is_one_line() -> None:
+    assert_one_line_error(run_cli("inspect"), "directory")
+
+
+def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the foreground group) stops the demo and its ranks, status 0, no traceback."""
+    port = free_port()
+    with reaper() as r:
+        demo = r.start([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
+                       rank_env(tmp_path / "mp", port))
+        wait_until(lambda: len(get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["live"]) == 2, 15,
+                   "two demo ranks")
+        demo.killpg(signal.SIGINT)
+        assert demo.popen.wait(timeout=15) == 0, demo.output
+    assert "Traceback" not in demo.output, demo.output

@@ -1,0 +1,322 @@
+"""deploy/: the Kubernetes manifests, the Prometheus scrape configuration, the Grafana dashboard.
+
+Every *.yaml in deploy/ is a Kubernetes manifest, validated against the
+newest Kubernetes schema kubernetes-validate ships (strict: unknown fields
+are errors). The PodMonitor is a CRD that kubernetes-validate cannot know;
+its structure is checked here against what the Prometheus Operator requires.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from support_e2e import REPO, procfile_web_command
+
+from store.metrics import FAMILIES
+
+DEPLOY = REPO / "deploy"
+MOUNT = "/run/nixl_metrics"
+DIR_ENV = "NIXL_TELEMETRY_MULTIPROC_DIR"
+PORT_ENV = "NIXL_TELEMETRY_PROMETHEUS_PORT"
+CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+DURATION = re.compile(r"^(\d+(ms|s|m|h))+$")
+
+
+def manifests() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path.name, doc))
+    return docs
+
+
+def of_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for _, doc in manifests() if doc["kind"] == kind]
+
+
+def pod_specs() -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(workload name, pod template metadata, pod spec) of every workload in deploy/."""
+    for _, doc in manifests():
+        if doc["kind"] in {"Deployment", "StatefulSet", "DaemonSet", "Job"}:
+            yield doc["metadata"]["name"], doc["spec"]["template"]["metadata"], doc["spec"]["template"]["spec"]
+        elif doc["kind"] == "Pod":
+            yield doc["metadata"]["name"], doc["metadata"], doc["spec"]
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(spec.get("initContainers", [])) + list(spec["containers"])
+
+
+def env_of(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def aggregator(spec: dict[str, Any]) -> dict[str, Any]:
+    """The one container running the Procfile's web: command."""
+    found = [c for c in containers(spec) if "app:wsgi" in c.get("command", []) + c.get("args", [])]
+    assert len(found) == 1, [c["name"] for c in found]
+    return found[0]
+
+
+def metrics_port(container: dict[str, Any]) -> dict[str, Any]:
+    ports = [p for p in container.get("ports", []) if p.get("name") == "metrics"]
+    assert len(ports) == 1, container.get("ports")
+    return ports[0]
+
+
+def seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    assert DURATION.match(duration), duration
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration))
+
+
+# -- the manifests ------------------------------------------------------------
+
+def test_deploy_has_the_expected_files() -> None:
+    kinds = sorted(doc["kind"] for _, doc in manifests())
+    assert kinds == ["Deployment", "PodMonitor", "Service"]
+    assert (DEPLOY / "prometheus.yml").is_file() and (DEPLOY / "grafana-dashboard.json").is_file()
+
+
+@pytest.mark.parametrize("name,doc", [pytest.param(n, d, id=f"{n}:{d['kind']}") for n, d in manifests()])
+def test_manifest_validates_against_kubernetes_schema(name: str, doc: dict[str, Any]) -> None:
+    if (doc["apiVersion"], doc["kind"]) in CRDS:
+        pytest.skip("a CRD: kubernetes-validate has no schema for it (test_podmonitor_structure checks it)")
+    version = kubernetes_validate.latest_version()
+    kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError naming the field
+
+
+def test_every_container_shares_the_directory_and_the_address() -> None:
+    specs = list(pod_specs())
+    assert specs
+    for workload, _, spec in specs:
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        shared = [name for name, v in volumes.items() if v.get("emptyDir", {}).get("medium") == "Memory"]
+        assert len(shared) == 1, f"{workload}: one Memory emptyDir shared by the ranks"
+        dirs, ports, locals_ = set(), set(), set()
+        for c in containers(spec):
+            env = env_of(c)
+            assert env.get(DIR_ENV), f"{workload}/{c['name']}: {DIR_ENV} unset"
+            mounts = [m for m in c.get("volumeMounts", []) if m["name"] == shared[0]]
+            assert [m["mountPath"] for m in mounts] == [MOUNT], f"{workload}/{c['name']}: not mounted at {MOUNT}"
+            assert not mounts[0].get("readOnly", False)
+            assert env[DIR_ENV] == MOUNT or env[DIR_ENV].startswith(MOUNT + "/"), env[DIR_ENV]
+            dirs.add(env[DIR_ENV])
+            ports.add(env.get(PORT_ENV))
+            locals_.add(env.get("NIXL_TELEMETRY_PROMETHEUS_LOCAL"))
+        # One directory, one address: otherwise the ranks would not contend for the aggregator's election.
+        assert len(dirs) == 1 and len(ports) == 1 and len(locals_) == 1, (dirs, ports, locals_)
+        assert ports != {None}, f"every container sets {PORT_ENV}"
+
+
+def test_pod_runs_as_one_non_root_user() -> None:
+    for workload, _, spec in pod_specs():
+        ctx = spec["securityContext"]
+        assert ctx["runAsNonRoot"] is True, workload
+        assert ctx["runAsUser"] > 0 and ctx["runAsGroup"] > 0 and ctx["fsGroup"] > 0, ctx
+        for c in containers(spec):  # nobody overrides the user: the 0700 directory is the run's
+            assert "runAsUser" not in c.get("securityContext", {}), c["name"]
+            assert c.get("securityContext", {}).get("allowPrivilegeEscalation") is False, c["name"]
+
+
+def test_aggregator_sidecar_runs_the_procfile_web_command() -> None:
+    for _, _, spec in pod_specs():
+        agg = aggregator(spec)
+        assert agg.get("command", []) + agg.get("args", []) == procfile_web_command()
+        assert agg.get("workingDir"), "gunicorn.conf.py is found relative to the working directory"
+        if agg in spec.get("initContainers", []):
+            assert agg.get("restartPolicy") == "Always", "an init container aggregator must be a native sidecar"
+
+
+def test_aggregator_probes_healthz_on_the_metrics_port() -> None:
+    for _, _, spec in pod_specs():
+        agg = aggregator(spec)
+        port = metrics_port(agg)
+        assert str(port["containerPort"]) == env_of(agg)[PORT_ENV]
+        for probe in ("livenessProbe", "readinessProbe"):
+            get = agg[probe]["httpGet"]
+            assert get["path"] == "/healthz", probe
+            assert get["port"] in (port["name"], port["containerPort"]), probe
+            assert get.get("scheme", "HTTP") == "HTTP"
+        if "startupProbe" in agg:
+            assert agg["startupProbe"]["httpGet"]["path"] == "/healthz"
+        # Only the aggregator declares the port: one scrape target per pod.
+        others = [c["name"] for c in containers(spec) if c is not agg and c.get("ports")]
+        assert others == []
+
+
+def test_service_exposes_the_metrics_port() -> None:
+    (service,) = of_kind("Service")
+    for _, template, spec in pod_specs():
+        labels = template["labels"]
+        assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+        port = metrics_port(aggregator(spec))
+        (svc_port,) = [p for p in service["spec"]["ports"] if p["name"] == "metrics"]
+        assert svc_port["targetPort"] in (port["name"], port["containerPort"])
+
+
+def test_podmonitor_structure() -> None:
+    (pm,) = of_kind("PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["metadata"]["name"]
+    assert set(pm) <= {"apiVersion", "kind", "metadata", "spec"}
+    spec = pm["spec"]
+    assert isinstance(spec["selector"], dict) and set(spec["selector"]) <= {"matchLabels", "matchExpressions"}
+    assert spec["selector"], "an empty selector would select every pod of the namespace"
+    endpoints = spec["podMetricsEndpoints"]
+    assert isinstance(endpoints, list) and endpoints
+    for _, template, pod_spec in pod_specs():
+        labels = template["labels"]
+        assert all(labels.get(k) == v for k, v in spec["selector"].get("matchLabels", {}).items())
+        ttl = float(env_of(aggregator(pod_spec)).get("NIXL_TELEMETRY_MP_STALE_TTL") or 30)
+        for ep in endpoints:
+            assert ep["port"] == metrics_port(aggregator(pod_spec))["name"]
+            assert ep["path"] == "/metrics"
+            interval = seconds(ep["interval"])
+            if "scrapeTimeout" in ep:
+                assert seconds(ep["scrapeTimeout"]) < interval
+            assert ttl >= interval, "keep the stale TTL at or above the scrape interval"
+
+
+# -- the plain Prometheus configuration -------------------------------------------
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install "
+                                    "prometheus; .ci/run does)")
+NO_K8S_SD = "field kubernetes_sd_configs not found"
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+
+
+@needs_promtool
+def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    config = DEPLOY / "prometheus.yml"
+    done = promtool("check", "config", str(config))
+    if done.returncode != 0 and NO_K8S_SD in done.stdout + done.stderr:
+        # Debian's Prometheus is built without Kubernetes service discovery, so its promtool cannot
+        # parse kubernetes_sd_configs at all. Check everything else promtool can: the same job with
+        # the discovery swapped for file_sd_configs (relabelling, intervals, timeouts all kept).
+        doc = yaml.safe_load(config.read_text())
+        for job in doc["scrape_configs"]:
+            if job.pop("kubernetes_sd_configs", None) is not None:
+                job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.json")]}]
+        (tmp_path / "targets.json").write_text("[]")
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(doc))
+        done = promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+
+
+def test_prometheus_config_discovers_the_aggregator_port() -> None:
+    doc = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    (job,) = [j for j in doc["scrape_configs"] if j["job_name"] == "nixl"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    assert seconds(job["scrape_timeout"]) < seconds(job["scrape_interval"])
+    keeps = {tuple(r["source_labels"]): r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+    for _, template, spec in pod_specs():
+        annotation = keeps[("__meta_kubernetes_pod_annotation_prometheus_io_scrape",)]
+        assert re.fullmatch(annotation, template["annotations"]["prometheus.io/scrape"])
+        port_name = keeps[("__meta_kubernetes_pod_container_port_name",)]
+        assert re.fullmatch(port_name, metrics_port(aggregator(spec))["name"])
+        ttl = float(env_of(aggregator(spec)).get("NIXL_TELEMETRY_MP_STALE_TTL") or 30)
+        assert ttl >= seconds(job["scrape_interval"])
+
+
+# -- the Grafana dashboard ------------------------------------------------------------
+
+def dashboard() -> dict[str, Any]:
+    return json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+
+
+def dashboard_exprs() -> list[str]:
+    doc = dashboard()
+    exprs = [t["expr"] for p in doc["panels"] for t in p.get("targets", [])]
+    for var in doc["templating"]["list"]:
+        if var["type"] == "query":
+            exprs.append(var["query"]["query"] if isinstance(var["query"], dict) else var["query"])
+    return exprs
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression (or label_values() query) references."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)  # label lists
+    expr = re.sub(r"label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*\w+\s*\)", r"\1", expr)
+    names = set()
+    for match in re.finditer(r"[a-zA-Z_:][\w:]*", expr):
+        word, rest = match.group(), expr[match.end():].lstrip()
+        if rest.startswith("(") or word in {"and", "or", "unless", "bool", "offset"}:
+            continue  # a function or an operator
+        names.add(word)
+    return names
+
+
+def known_metric_names() -> set[str]:
+    names = {"up"}
+    for fam in FAMILIES:
+        if fam.kind == "histogram":
+            names |= {f"{fam.name}_bucket", f"{fam.name}_sum", f"{fam.name}_count"}
+        else:
+            names.add(fam.name)
+    return names
+
+
+def test_metric_name_extraction() -> None:
+    assert metric_names('histogram_quantile(0.9, sum by (le, local_rank) (rate(agent_xfer_time_us_bucket'
+                        '{job=~"$job",agent_name="x"}[$__rate_interval])))') == {"agent_xfer_time_us_bucket"}
+    assert metric_names("sum(up{job=~\"$job\"}) / count(agent_tx_bytes_total)") == {"up", "agent_tx_bytes_total"}
+    assert metric_names("label_values(agent_rx_bytes_total, job)") == {"agent_rx_bytes_total"}
+
+
+def test_dashboard_uses_only_exported_metric_names() -> None:
+    referenced = set().union(*(metric_names(e) for e in dashboard_exprs()))
+    assert referenced - known_metric_names() == set()
+    # the panels the operators asked for
+    assert {"agent_tx_bytes_total", "agent_rx_bytes_total", "agent_xfer_time_us_bucket", "agent_errors_total",
+            "up"} <= referenced
+
+
+def test_dashboard_panels() -> None:
+    doc = dashboard()
+    assert doc["uid"] and doc["title"] and isinstance(doc["schemaVersion"], int)
+    exprs = dashboard_exprs()
+    assert any("histogram_quantile(" in e and "rate(agent_xfer_time_us_bucket" in e for e in exprs)
+    assert any(re.search(r"by \(local_rank\) \(rate\(agent_tx_bytes_total", e) for e in exprs)
+    assert any(re.search(r"by \(local_rank\) \(rate\(agent_rx_bytes_total", e) for e in exprs)
+    assert any(re.search(r"by \(status\) \(rate\(agent_errors_total", e) for e in exprs)
+    assert any(e.startswith("count(agent_") for e in exprs) and any("up{" in e for e in exprs)
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in doc["panels"]:
+        for t in p.get("targets", []):
+            assert t["datasource"]["uid"] == "${datasource}"
+
+
+@needs_promtool
+def test_dashboard_queries_parse(tmp_path: Path) -> None:
+    """promtool check rules parses every panel query as PromQL."""
+    rules = [{"record": f"nixl:dashboard:{i}", "expr": expand_grafana(e)}
+             for i, e in enumerate(dashboard_exprs()) if not e.startswith("label_values(")]
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = promtool("check", "rules", str(tmp_path / "rules.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def expand_grafana(expr: str) -> str:
+    """A dashboard query with Grafana's variables replaced by what Grafana would send."""
+    return expr.replace("$__rate_interval", "1m").replace("$job", ".+")

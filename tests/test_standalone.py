@@ -1,0 +1,269 @@
+"""The standalone aggregator: the Procfile's ``web:`` command (gunicorn) with real ranks.
+
+The gunicorn master holds the owner election, so ranks configured for the
+same address stay writers; its workers serve and must never keep the
+election locked; killing the aggregator hands the address to a rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from support_e2e import (
+    REPO,
+    by_rank,
+    children_of,
+    expected,
+    free_port,
+    get_json,
+    http_get,
+    lock_is_free,
+    parse_text,
+    pids_alive,
+    procfile_web_command,
+    rank_env,
+    reaper,
+    wait_ready,
+    wait_until,
+)
+
+from election import lock_file_name
+
+OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+
+
+def start_aggregator(r, directory: Path, port: int, workers: int = 2, **extra: str):
+    """The Procfile's web: command with the venv's gunicorn first on PATH, cwd the repository."""
+    command = procfile_web_command()
+    assert command[0] == "gunicorn", command
+    env = rank_env(directory, port, GUNICORN_WORKERS=str(workers), GUNICORN_THREADS="4", **extra)
+    proc = r.start(command, env, cwd=REPO)
+    wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 20,
+               "gunicorn to answer /healthz")
+    wait_until(lambda: len(children_of(proc.pid)) == workers, 10, f"{workers} gunicorn workers")
+    # A worker holds the inherited election descriptor from fork() until its post_fork hook drops it.
+    lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
+    wait_until(lambda: holders_of(lock_path, children_of(proc.pid)) == [], 10,
+               lambda: f"the workers to drop the election descriptor ({holders_of(lock_path, children_of(proc.pid))})")
+    return proc
+
+
+def holders_of(path: Path, pids: list[int]) -> list[int]:
+    """Those of ``pids`` with a descriptor open on ``path``."""
+    holders = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    holders.append(pid)
+                    break
+            except OSError:
+                continue
+    return holders
+
+
+def test_procfile_web_serves_ranks_to_concurrent_scrapers(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=2)
+        assert (directory.stat().st_mode & 0o777) == 0o700  # created private by the aggregator
+        ranks = [r.rank(directory, port, i) for i in range(3)]
+        assert [wait_ready(rank) for rank in ranks] == [False] * 3  # quiet writers: the master holds the address
+
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert health["owner"]["mode"] == "standalone"
+        assert health["owner"]["pid"] == master.pid
+        assert health["owner"]["election"] == "flock"
+        assert health["owner"]["address"] == f"127.0.0.1:{port}"
+        assert sorted(rank["pid"] for rank in health["live"]) == sorted(rank.pid for rank in ranks)
+        assert health["warnings"] == []
+
+        want = {str(i): expected(i) for i in range(3)}
+        failures: list[str] = []
+        served = [0]
+        lock = threading.Lock()
+
+        def scraper(n: int) -> None:
+            for i in range(12):
+                try:
+                    if i % 4 == 3:
+                        doc = get_json(f"http://127.0.0.1:{port}/healthz")
+                        ok = len(doc["live"]) == 3 and doc["owner"]["pid"] == master.pid
+                    else:
+                        headers = {"Accept": OPENMETRICS} if i % 4 == 1 else {}
+                        status, hdrs, body = http_get(f"http://127.0.0.1:{port}/metrics", headers)
+                        if i % 4 == 1:
+                            ok = status == 200 and hdrs["Content-Type"].startswith("application/openmetrics-text")
+                            ok = ok and body.endswith(b"# EOF\n")
+                        else:
+                            samples = parse_text(body)
+                            ok = status == 200 and all(
+                                by_rank(samples, name) == {rank: values[name] for rank, values in want.items()}
+                                for name in ("agent_tx_bytes_total", "agent_xfer_time_us_count"))
+                    with lock:
+                        served[0] += 1
+                    if not ok:
+                        failures.append(f"scraper {n} request {i}: unexpected response")
+                except Exception as exc:  # collected, asserted below
+                    failures.append(f"scraper {n} request {i}: {exc!r}")
+
+        threads = [threading.Thread(target=scraper, args=(n,)) for n in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        assert failures == [] and served[0] == 12 * 12, failures[:5]
+
+        # The ranks stayed quiet writers throughout (not a line beyond "ready"); the aggregator answered all.
+        assert [len(rank.lines) for rank in ranks] == [1, 1, 1], [rank.output for rank in ranks]
+        assert "Traceback" not in master.output, master.output
+
+
+def test_workers_reap_departed_ranks_under_concurrent_scrapes(tmp_path: Path) -> None:
+    """Several workers scrape and reap the same directory at once: every scrape succeeds, each store goes once."""
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=3, NIXL_TELEMETRY_MP_STALE_TTL="0.3")
+        ranks = [r.rank(directory, port, i) for i in range(4)]
+        assert [wait_ready(rank) for rank in ranks] == [False] * 4
+        stop = threading.Event()
+        results: list[int | str] = []
+
+        def scraper() -> None:
+            while not stop.is_set():
+                try:
+                    results.append(http_get(f"http://127.0.0.1:{port}/metrics")[0])
+                except Exception as exc:  # collected, asserted below
+                    results.append(repr(exc))
+
+        threads = [threading.Thread(target=scraper) for _ in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            ranks[1].stop()
+            ranks[2].killpg(signal.SIGKILL)
+            ranks[3].stop()
+
+            def only_rank_0_left() -> bool:
+                health = get_json(f"http://127.0.0.1:{port}/healthz")
+                return [v["pid"] for v in health["live"]] == [ranks[0].pid] and health["stale"] == []
+
+            wait_until(only_rank_0_left, 10, "the departed ranks to be reaped")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+        assert results and set(results) == {200}, [x for x in results if x != 200][:5]
+        assert sorted(p.name for p in directory.glob("nixl.*.mmap")) == [
+            v["store"] for v in get_json(f"http://127.0.0.1:{port}/healthz")["live"]]
+        assert "Traceback" not in master.output and "ERROR" not in master.output, master.output
+
+
+def test_workers_never_hold_the_election(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=3)  # waits for the workers to drop it
+        for _ in range(20):  # ... and they never take it back, whatever they serve
+            assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+        workers = children_of(master.pid)
+        assert len(workers) == 3
+        assert holders_of(lock_path, [master.pid, *workers]) == [master.pid]
+        assert not lock_is_free(lock_path)
+
+
+def test_master_sigkill_takes_the_workers_and_frees_the_address(tmp_path: Path) -> None:
+    """SIGKILL of the master alone: the workers go at once, the lock is free, a rank serves."""
+    directory, port = tmp_path / "mp", free_port()
+    lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=2)
+        workers = children_of(master.pid)
+        os.kill(master.pid, signal.SIGKILL)
+        master.popen.wait(timeout=10)
+        wait_until(lambda: pids_alive(workers) == [], 5, "the orphaned workers to exit")
+        assert lock_is_free(lock_path)
+
+        # ... and with a rank running, the rank takes the address over promptly: the workers no
+        # longer listen on it, so its first bind after winning the election succeeds.
+        master = start_aggregator(r, directory, port, workers=2)
+        rank = r.rank(directory, port, 0)
+        assert wait_ready(rank) is False
+        os.kill(master.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rank.wait_line(lambda s: s == "serving=True", 10)
+        took = time.monotonic() - killed
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("in-process", rank.pid)
+        assert took < 2.0, f"takeover took {took:.2f} s"
+        assert "cannot bind" not in rank.output, rank.output
+
+
+def test_killing_the_aggregator_hands_the_address_to_a_rank(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=2)
+        ranks = [r.rank(directory, port, i) for i in range(2)]
+        assert [wait_ready(rank) for rank in ranks] == [False, False]
+
+        master.killpg(signal.SIGKILL)  # master and workers, as a container runtime would
+        killed = time.monotonic()
+        master.popen.wait(timeout=10)
+
+        def new_owner() -> dict | None:
+            status = http_get(f"http://127.0.0.1:{port}/metrics", timeout=1)[0]
+            health = get_json(f"http://127.0.0.1:{port}/healthz", timeout=1) if status == 200 else None
+            return health if health and health["owner"]["mode"] == "in-process" else None
+
+        health = wait_until(new_owner, 10, "a rank to serve the address")
+        took = time.monotonic() - killed
+        assert health["owner"]["pid"] in {rank.pid for rank in ranks}
+        assert took < 2.0, f"takeover took {took:.2f} s"
+        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
+        assert by_rank(samples, "agent_tx_bytes_total") == {str(i): expected(i)["agent_tx_bytes_total"]
+                                                            for i in range(2)}
+
+
+def test_missing_directory_fails_the_start_in_one_line(tmp_path: Path) -> None:
+    env = rank_env(tmp_path, free_port())
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
+    with reaper() as r:
+        proc = r.start(procfile_web_command(), env, cwd=REPO)
+        assert proc.popen.wait(timeout=30) != 0
+    out = proc.output
+    assert "Traceback" not in out, out
+    assert out.strip().splitlines() == [out.strip().splitlines()[0]], out
+    assert out.startswith("nixl-prometheus-mp: error: NIXL_TELEMETRY_MULTIPROC_DIR is required"), out
+
+
+def test_bad_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
+    env = rank_env(tmp_path / "mp", 1, NIXL_TELEMETRY_PROMETHEUS_PORT="99999")
+    with reaper() as r:
+        proc = r.start(procfile_web_command(), env, cwd=REPO)
+        assert proc.popen.wait(timeout=30) != 0
+    assert "Traceback" not in proc.output, proc.output
+    assert proc.output.strip() == ("nixl-prometheus-mp: error: NIXL_TELEMETRY_PROMETHEUS_PORT='99999' is outside "
+                                   "1..65535"), proc.output
+
+
+def test_app_wsgi_without_the_config_file_names_the_variable(tmp_path: Path) -> None:
+    """``gunicorn app:wsgi`` run elsewhere (no ./gunicorn.conf.py): the worker fails to load, in one line."""
+    env = rank_env(tmp_path, free_port())
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
+    with reaper() as r:
+        proc = r.start([str(Path(sys.executable).parent / "gunicorn"), "--no-control-socket", "-b",
+                        f"127.0.0.1:{free_port()}", "app:wsgi"], env, cwd=tmp_path)
+        assert proc.popen.wait(timeout=30) != 0
+    assert "Traceback" not in proc.output, proc.output
+    assert "NIXL_TELEMETRY_MULTIPROC_DIR is required" in proc.output
+    assert "App failed to load" in proc.output
