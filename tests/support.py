@@ -1,0 +1,478 @@
+"""Helpers for multi-process tests: ports, rank processes, bounded waits, HTTP, exposition parsing, reaping.
+
+Import from a test module with ``from support import ...`` (pytest puts ``tests/`` on ``sys.path``). The
+``reaper`` and ``make_exporter`` fixtures are made available by importing their definitions into the test
+module, then requested by name as usual::
+
+    from support import make_exporter_fixture, reaper_fixture  # noqa: F401  (pytest fixtures)
+
+Everything here is bounded: every wait has a deadline, every process started through a ``Reaper`` is
+SIGKILLed and waited for when the ``Reaper`` closes, whatever the test did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import store
+
+PROJECT_ROOT = Path(store.__file__).resolve().parents[1]
+HOSTNAME = socket.gethostname()
+DEADLINE_S = 10.0  # the default bound of every wait: generous, the machine is shared and loaded
+START_DEADLINE_S = 20.0  # a fresh interpreter importing the app, on a loaded 2-core machine
+
+T = TypeVar("T")
+SeriesKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+# -- ports ----------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (bind port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def listening_socket(port: int) -> socket.socket:
+    """A plain foreign socket bound and listening on 127.0.0.1:port (the caller closes it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(8)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def can_bind(port: int, reuse: bool = True) -> bool:
+    """Whether a new listener can bind 127.0.0.1:port now.
+
+    With ``reuse`` (the default) it sets SO_REUSEADDR, as a taking-over owner binds: connections of a
+    previous owner left in TIME_WAIT do not count, a listener does.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1)
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+# -- bounded waits --------------------------------------------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], T], timeout: float = DEADLINE_S, interval: float = 0.02,
+               message: str = "condition") -> T:
+    """Call ``condition`` until it returns something truthy (returned); AssertionError after ``timeout`` s.
+
+    Exceptions raised by ``condition`` count as "not yet" (the last one is reported on timeout).
+    """
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = condition()
+        except Exception as exc:
+            last_exc = exc
+        else:
+            if value:
+                return value
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_exc!r})" if last_exc is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {message}{detail}")
+        time.sleep(interval)
+
+
+# -- HTTP -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HttpResponse:
+    status: int
+    headers: dict[str, str]  # lower-cased names
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http_request(url: str, method: str = "GET", headers: Mapping[str, str] | None = None,
+                 timeout: float = 5.0, data: bytes | None = None) -> HttpResponse:
+    """One request with urllib; 4xx/5xx are returned, not raised. Connection errors raise OSError."""
+    request = urllib.request.Request(url, method=method, headers=dict(headers or {}), data=data)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return HttpResponse(response.status, {k.lower(): v for k, v in response.headers.items()},
+                                response.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return HttpResponse(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
+
+
+def http_get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> HttpResponse:
+    return http_request(url, "GET", headers, timeout)
+
+
+def metrics_url(port: int, path: str = "/metrics") -> str:
+    return f"http://127.0.0.1:{port}{path}"
+
+
+def scrape(port: int, timeout: float = 5.0) -> str:
+    """GET /metrics; the body as text (fails the test unless 200)."""
+    response = http_get(metrics_url(port), timeout=timeout)
+    assert response.status == 200, (response.status, response.body[:500])
+    return response.text
+
+
+def healthz(port: int, timeout: float = 5.0) -> dict[str, Any]:
+    response = http_get(metrics_url(port, "/healthz"), timeout=timeout)
+    assert response.status == 200, (response.status, response.body[:500])
+    return response.json()
+
+
+def try_scrape(port: int, timeout: float = 2.0) -> str | None:
+    """The /metrics body if something answers 200 on the port right now, else None."""
+    try:
+        response = http_get(metrics_url(port), timeout=timeout)
+    except OSError:
+        return None
+    return response.text if response.status == 200 else None
+
+
+def wait_for_metrics(port: int, timeout: float = DEADLINE_S) -> str:
+    """Wait (bounded) until /metrics answers 200 on 127.0.0.1:port; its body."""
+    return wait_until(lambda: try_scrape(port), timeout, message=f"/metrics answering on port {port}")
+
+
+def gunzip(body: bytes) -> bytes:
+    return gzip.decompress(body)
+
+
+# -- exposition -----------------------------------------------------------------------------------------------
+
+
+def parse_exposition(text: str) -> dict[SeriesKey, float]:
+    """Prometheus text exposition -> {(sample name, frozenset(labels.items())): value}."""
+    samples: dict[SeriesKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"duplicate series {key}"
+            samples[key] = sample.value
+    return samples
+
+
+def series(name: str, **labels: object) -> SeriesKey:
+    """A key of ``parse_exposition``'s result."""
+    return name, frozenset((k, str(v)) for k, v in labels.items())
+
+
+def pids_in(samples: Mapping[SeriesKey, float]) -> set[int]:
+    """Every pid label in a parsed exposition."""
+    return {int(v) for _, labels in samples for k, v in labels if k == "pid"}
+
+
+def select_pid(samples: Mapping[SeriesKey, float], pid: int) -> dict[SeriesKey, float]:
+    """The series of one process."""
+    return {key: value for key, value in samples.items() if ("pid", str(pid)) in key[1]}
+
+
+# -- processes ------------------------------------------------------------------------------------------------
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment without any NIXL_* / LOCAL_RANK variable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIXL_") and k != "LOCAL_RANK"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class RankProcess:
+    """A Python subprocess speaking lines: ``send`` writes stdin, ``readline`` reads stdout (bounded).
+
+    stderr goes to a file (never a pipe that could fill up), read back with ``stderr_text``.
+    """
+
+    def __init__(self, script: str, env: Mapping[str, str], args: tuple[str, ...] = ()) -> None:
+        self._stderr = tempfile.TemporaryFile()  # closed in close()
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=PROJECT_ROOT, env=dict(env),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     text=True, bufsize=1)
+        self.pid = self.proc.pid
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_stdout, name=f"rank-{self.pid}-stdout", daemon=True)
+        self._reader.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        with contextlib.suppress(ValueError, OSError):
+            for line in self.proc.stdout:
+                self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)  # EOF
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def readline(self, timeout: float = DEADLINE_S) -> str:
+        """The next stdout line; AssertionError on timeout or EOF (with the process's stderr)."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"pid {self.pid}: no output within {timeout} s; stderr:\n"
+                                 f"{self.stderr_text()}") from None
+        if line is None:
+            self._lines.put(None)
+            self.proc.wait(timeout=DEADLINE_S)
+            raise AssertionError(f"pid {self.pid} exited (status {self.proc.returncode}) without answering; "
+                                 f"stderr:\n{self.stderr_text()}")
+        return line
+
+    def stderr_text(self) -> str:
+        try:  # pread: the offset is shared with the child's stderr, never move it
+            fd = self._stderr.fileno()
+            return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", errors="replace")
+        except (OSError, ValueError):
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (if still running) and wait; the exit status is in ``proc.returncode``."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=DEADLINE_S)
+
+    def close(self) -> None:
+        self.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if stream is not None:
+                    stream.close()
+        self._reader.join(timeout=DEADLINE_S)
+        self._stderr.close()
+
+
+class Reaper:
+    """Owns every process started through it: ``close()`` SIGKILLs and waits for each one, always."""
+
+    def __init__(self) -> None:
+        self._ranks: list[RankProcess] = []
+
+    def start(self, script: str, env: Mapping[str, str], args: tuple[str, ...] = ()) -> RankProcess:
+        rank = RankProcess(script, env, args)
+        self._ranks.append(rank)
+        return rank
+
+    def close(self) -> None:
+        errors = []
+        for rank in self._ranks:
+            if rank.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank.pid, signal.SIGKILL)
+        for rank in self._ranks:
+            try:
+                rank.close()
+            except Exception as exc:  # keep reaping the others
+                errors.append(exc)
+        self._ranks.clear()
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Reaper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture(name="reaper")
+def reaper_fixture() -> Iterator[Reaper]:
+    """A Reaper closed at teardown: every process the test started is killed and waited for."""
+    with Reaper() as r:
+        yield r
+
+
+def start_rank(reaper: Reaper, script: str, env: Mapping[str, str] | None = None,
+               args: tuple[str, ...] = ()) -> RankProcess:
+    """Start ``python -c script`` with ``child_env(env)``, owned by ``reaper``."""
+    return reaper.start(script, child_env(env), args)
+
+
+# -- the exporter rank ----------------------------------------------------------------------------------------
+
+# A rank that creates one Exporter from its environment and then obeys JSON commands on stdin, one JSON
+# answer per command on stdout. RANK_AGENT names the agent, RANK_LOG_LEVEL configures logging on stderr
+# (default WARNING), RANK_TICK_HZ > 0 starts a thread exporting AGENT_TX_REQUESTS_NUM=1 at that rate.
+EXPORTER_RANK_SCRIPT = textwrap.dedent("""
+    import json, logging, os, sys, threading
+    logging.basicConfig(level=getattr(logging, os.environ.get("RANK_LOG_LEVEL", "WARNING")), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from app import Exporter
+
+    exp = Exporter(os.environ.get("RANK_AGENT", "agent"))
+
+    def status(**extra):
+        return {"pid": os.getpid(), "serving": exp.serving, "store": str(exp.store_path), **extra}
+
+    def reply(doc):
+        sys.stdout.write(json.dumps(doc) + "\\n")
+        sys.stdout.flush()
+
+    stop = threading.Event()
+    hz = float(os.environ.get("RANK_TICK_HZ", "0"))
+    if hz > 0:
+        def tick():
+            while not stop.wait(1.0 / hz):
+                exp.export_event(3, 1)  # AGENT_RX_REQUESTS_NUM
+        threading.Thread(target=tick, daemon=True).start()
+
+    reply(status(ready=True))
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "events":
+            for event, value in cmd["events"]:
+                exp.export_event(event, value)
+            reply(status())
+        elif op == "status":
+            reply(status())
+        elif op == "close":
+            stop.set()
+            exp.close()
+            reply(status(closed=True))
+        elif op == "exit":
+            break
+        else:
+            reply({"error": f"unknown op {op!r}"})
+    stop.set()
+    exp.close()
+""")
+
+
+class ExporterRank:
+    """Handle on a running EXPORTER_RANK_SCRIPT process."""
+
+    def __init__(self, process: RankProcess, ready: dict[str, Any]) -> None:
+        self.process = process
+        self.pid: int = ready["pid"]
+        self.store = Path(ready["store"])
+        self.serving_at_start: bool = ready["serving"]
+
+    def command(self, op: str, timeout: float = DEADLINE_S, **fields: Any) -> dict[str, Any]:
+        self.process.send(json.dumps({"op": op, **fields}))
+        answer = json.loads(self.process.readline(timeout))
+        assert "error" not in answer, answer
+        return answer
+
+    def events(self, events: list[tuple[int, int]]) -> dict[str, Any]:
+        return self.command("events", events=[[int(e), int(v)] for e, v in events])
+
+    def serving(self) -> bool:
+        return bool(self.command("status")["serving"])
+
+    def stderr(self) -> str:
+        return self.process.stderr_text()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def start_exporter_rank(reaper: Reaper, directory: Path, port: int, agent: str = "agent",
+                        extra_env: Mapping[str, str] | None = None, log_level: str = "WARNING",
+                        tick_hz: float = 0) -> ExporterRank:
+    """Start a rank process running one Exporter on 127.0.0.1:port over ``directory``; wait until ready."""
+    env = {
+        "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory),
+        "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+        "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y",
+        "RANK_AGENT": agent,
+        "RANK_LOG_LEVEL": log_level,
+        "RANK_TICK_HZ": str(tick_hz),
+        **(extra_env or {}),
+    }
+    process = start_rank(reaper, EXPORTER_RANK_SCRIPT, env)
+    ready = json.loads(process.readline(START_DEADLINE_S))
+    assert ready.get("ready"), ready
+    return ExporterRank(process, ready)
+
+
+HOLD_FLOCK_SCRIPT = textwrap.dedent("""
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    print("locked", flush=True)
+    sys.stdin.read()  # hold until killed or stdin closes
+""")
+
+
+def hold_flock(reaper: Reaper, path: Path) -> RankProcess:
+    """A separate process holding flock(LOCK_EX) on ``path`` until it is reaped."""
+    holder = start_rank(reaper, HOLD_FLOCK_SCRIPT, args=(str(path),))
+    assert holder.readline(START_DEADLINE_S) == "locked"
+    return holder
+
+
+# -- in-process exporters -------------------------------------------------------------------------------------
+
+
+def exporter_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
+    """The environment of an Exporter on 127.0.0.1:port over ``directory`` (for ``Exporter(name, env)``)."""
+    return {
+        "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory),
+        "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+        "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y",
+        **extra,
+    }
+
+
+@pytest.fixture(name="make_exporter")
+def make_exporter_fixture() -> Iterator[Callable[..., Any]]:
+    """``make_exporter(name, environ)``: an in-process Exporter closed at teardown (port freed)."""
+    from app import Exporter
+
+    made: list[Exporter] = []
+
+    def build(agent_name: str, environ: Mapping[str, str]) -> Exporter:
+        exporter = Exporter(agent_name, environ)
+        made.append(exporter)
+        return exporter
+
+    yield build
+    for exporter in made:
+        exporter.close()

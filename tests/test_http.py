@@ -1,0 +1,243 @@
+"""The HTTP side: /metrics negotiation and gzip, methods and paths, /healthz's fields, 503 on a lost directory.
+
+Served for real: an in-process Exporter binds a free port on 127.0.0.1 and the tests talk to it with urllib.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from support import (  # noqa: F401  (pytest fixtures)
+    exporter_env,
+    free_port,
+    gunzip,
+    http_get,
+    http_request,
+    make_exporter_fixture,
+    metrics_url,
+    parse_exposition,
+    series,
+)
+from werkzeug.test import Client
+
+from app.collector import Collector
+from app.config import Config
+from app.exposition import reference_render
+from app.standalone import build_app
+from app.web import MetricsApp
+from store import EventType, StoreIdentity, StoreWriter
+
+E = EventType
+OPENMETRICS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus sends
+
+
+@pytest.fixture
+def served(tmp_dir: Path, make_exporter):
+    """An in-process owner with a few recorded events; (exporter, port)."""
+    port = free_port()
+    exp = make_exporter("http-agent", exporter_env(tmp_dir, port, LOCAL_RANK="3"))
+    assert exp.serving
+    exp.export_event(E.AGENT_TX_BYTES, 4096)
+    exp.record_transfer(850, 12, 1 << 20, is_write=False)
+    exp.record_error("backend")
+    return exp, port
+
+
+def test_default_is_prometheus_text_0_0_4(served) -> None:
+    exp, port = served
+    response = http_get(metrics_url(port))
+    assert response.status == 200
+    assert response.headers["content-type"] == CONTENT_TYPE_PLAIN_0_0_4
+    assert "content-encoding" not in response.headers
+    samples = parse_exposition(response.text)
+    labels = {"hostname": socket.gethostname(), "agent_name": "http-agent", "pid": os.getpid(),
+              "agent_instance": exp._writer.identity.instance, "local_rank": "3"}
+    assert samples[series("agent_tx_bytes_total", **labels)] == 4096
+    assert samples[series("agent_rx_bytes_total", **labels)] == 1 << 20
+    assert samples[series("agent_errors_total", status="backend", **labels)] == 1
+    # byte-identical to prometheus_client's own generator over the same stores
+    assert response.body == reference_render(Collector(exp.config.directory, 30).collect().published)
+
+
+def test_openmetrics_when_accept_asks_for_it(served) -> None:
+    exp, port = served
+    response = http_get(metrics_url(port), headers={"Accept": OPENMETRICS_ACCEPT})
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    text = response.text
+    assert text.endswith("# EOF\n") and text.count("# EOF") == 1
+    # counters' families are named without _total, their samples with it
+    assert "# TYPE agent_tx_bytes counter\n" in text
+    assert "# TYPE agent_errors counter\n" in text
+    assert "# TYPE agent_tx_bytes_total" not in text
+    assert "\nagent_tx_bytes_total{" in text
+    assert "# TYPE agent_xfer_time_us histogram\n" in text
+    assert response.body == reference_render(Collector(exp.config.directory, 30).collect().published,
+                                             openmetrics=True)
+
+
+def test_text_when_accept_does_not_ask_for_openmetrics(served) -> None:
+    _, port = served
+    response = http_get(metrics_url(port), headers={"Accept": "text/plain"})
+    assert response.headers["content-type"] == CONTENT_TYPE_PLAIN_0_0_4
+    assert "# EOF" not in response.text
+
+
+@pytest.mark.parametrize("accept", [None, OPENMETRICS_ACCEPT])
+def test_gzip_when_accepted(served, accept) -> None:
+    _, port = served
+    base = {"Accept": accept} if accept else {}
+    plain = http_get(metrics_url(port), headers=base)
+    zipped = http_get(metrics_url(port), headers={**base, "Accept-Encoding": "gzip"})
+    assert zipped.status == 200
+    assert zipped.headers["content-encoding"] == "gzip"
+    assert zipped.headers["content-type"] == plain.headers["content-type"]
+    assert gunzip(zipped.body) == plain.body
+    assert len(zipped.body) < len(plain.body)
+
+
+@pytest.mark.parametrize("path", ["/", "/metric", "/metrics/x", "/healthz/", "/favicon.ico"])
+def test_other_paths_are_404(served, path) -> None:
+    _, port = served
+    assert http_get(metrics_url(port, path)).status == 404
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+@pytest.mark.parametrize("path", ["/metrics", "/healthz"])
+def test_other_methods_are_405_with_allow(served, method, path) -> None:
+    _, port = served
+    response = http_request(metrics_url(port, path), method=method, data=b"x" if method != "DELETE" else None)
+    assert response.status == 405
+    allowed = {m.strip() for m in response.headers["allow"].split(",")}
+    assert {"GET", "HEAD"} <= allowed and method not in allowed
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/healthz"])
+def test_head_answers_like_get_without_a_body(served, path) -> None:
+    _, port = served
+    get = http_get(metrics_url(port, path))
+    head = http_request(metrics_url(port, path), method="HEAD")
+    assert head.status == get.status == 200
+    assert head.body == b""
+    assert set(head.headers) == set(get.headers)  # the same headers (Date, Server, Content-*, ...)
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path == "/metrics":  # nothing records meanwhile, so the exposition (and its length) is the same
+        assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.body))
+        zipped = http_request(metrics_url(port, path), method="HEAD", headers={"Accept-Encoding": "gzip"})
+        assert zipped.status == 200 and zipped.body == b"" and zipped.headers["content-encoding"] == "gzip"
+
+
+def test_healthz_reports_every_field(tmp_dir: Path, make_exporter, make_identity) -> None:
+    tmp_dir.chmod(0o770)  # -> a directory-permissions warning
+    departed = StoreWriter(tmp_dir, make_identity(agent_name="gone", instance=77, hostname="host-b"))
+    departed.record(E.AGENT_TX_BYTES, 1)
+    departed.close()
+    planted = tmp_dir / "nixl.1.1.1.mmap"
+    planted.write_bytes(b"x")
+    os.chown(planted, 12345, 12345)  # -> a foreign-store warning
+    port = free_port()
+    before = datetime.datetime.now(datetime.timezone.utc)
+    exp = make_exporter("owner-agent", exporter_env(tmp_dir, port, LOCAL_RANK="3", NIXL_TELEMETRY_MP_STALE_TTL="30"))
+    assert exp.serving
+
+    response = http_get(metrics_url(port, "/healthz"))
+    assert response.status == 200
+    assert response.headers["content-type"].startswith("application/json")
+    doc = response.json()
+    assert doc["status"] == "ok" and "reason" not in doc
+
+    owner = doc["owner"]
+    assert owner["pid"] == os.getpid()
+    assert owner["hostname"] == socket.gethostname()
+    assert owner["agent_name"] == "owner-agent"
+    assert owner["address"] == f"127.0.0.1:{port}"
+    assert owner["mode"] == "in-process"
+    assert owner["election"] == "flock"
+    since = datetime.datetime.fromisoformat(owner["serving_since"])
+    assert since.tzinfo is not None
+    assert before - datetime.timedelta(seconds=1) <= since <= datetime.datetime.now(datetime.timezone.utc)
+
+    assert doc["directory"] == str(tmp_dir)
+    assert doc["stale_ttl_s"] == 30
+
+    rank_fields = {"agent_name", "pid", "agent_instance", "local_rank", "hostname", "store", "seconds_since_update"}
+    assert len(doc["live"]) == 1
+    live = doc["live"][0]
+    assert set(live) == rank_fields
+    assert live == {**live, "agent_name": "owner-agent", "pid": os.getpid(),
+                    "agent_instance": exp._writer.identity.instance, "local_rank": "3",
+                    "hostname": socket.gethostname(), "store": exp.store_path.name}
+    assert live["seconds_since_update"] >= 0
+
+    assert len(doc["stale"]) == 1
+    stale = doc["stale"][0]
+    assert set(stale) == rank_fields | {"seconds_until_reaped"}
+    assert stale == {**stale, "agent_name": "gone", "pid": os.getpid(), "agent_instance": 77, "local_rank": None,
+                     "hostname": "host-b", "store": departed.path.name}
+    assert 0 < stale["seconds_until_reaped"] <= 30
+    assert stale["seconds_since_update"] >= 0
+
+    for warning in doc["warnings"]:
+        assert set(warning) == {"kind", "message", "details"}, warning
+        assert isinstance(warning["message"], str) and warning["message"]
+        assert isinstance(warning["details"], dict)
+    kinds = {w["kind"]: w for w in doc["warnings"]}
+    assert set(kinds) == {"directory-permissions", "foreign-store"}
+    assert kinds["directory-permissions"]["details"] == {"directory": str(tmp_dir)}
+    assert "0770" in kinds["directory-permissions"]["message"]
+    assert kinds["foreign-store"]["details"] == {"file": str(planted)}
+
+
+def test_healthz_503_over_http_when_the_directory_is_gone(tmp_path: Path, make_exporter) -> None:
+    directory = tmp_path / "run"
+    port = free_port()
+    exp = make_exporter("lost", exporter_env(directory, port))
+    assert exp.serving
+    shutil.rmtree(directory)
+    response = http_get(metrics_url(port, "/healthz"))
+    assert response.status == 503
+    doc = response.json()
+    assert doc["status"] == "unavailable" and str(directory) in doc["reason"]
+    assert doc["owner"]["pid"] == os.getpid() and doc["live"] == [] and doc["stale"] == []
+    metrics = http_get(metrics_url(port))
+    assert metrics.status == 200 and metrics.body == b""  # an empty exposition, not an error
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced-by-a-file"])
+def test_healthz_503_with_reason_from_the_wsgi_app(tmp_path: Path, how: str) -> None:
+    directory = tmp_path / "run"
+    directory.mkdir(mode=0o700)
+    writer = StoreWriter(directory, StoreIdentity("w", "h", "", 0, (10.0,)))
+    writer.close()
+    app = build_app(Config(directory=directory, port=free_port(), local=True, buckets=(10.0,)))
+    client = Client(app)
+    assert client.get("/healthz").status_code == 200
+    shutil.rmtree(directory)
+    if how == "replaced-by-a-file":
+        directory.write_text("not a directory")
+    response = client.get("/healthz")
+    assert response.status_code == 503
+    doc = response.get_json()
+    assert doc["reason"] and str(directory) in doc["reason"]
+    assert doc["owner"]["mode"] == "standalone"
+    assert client.head("/healthz").status_code == 503
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and metrics.data == b""
+
+
+def test_wsgi_app_routes_without_a_server(tmp_dir: Path) -> None:
+    app = MetricsApp(Collector(tmp_dir, 30), lambda: {"pid": 1})
+    client = Client(app)
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/metrics").data == b""  # no store: an empty exposition
+    assert client.get("/metrics", headers={"Accept": OPENMETRICS_ACCEPT}).data == b"# EOF\n"
+    assert client.get("/nope").status_code == 404
+    response = client.post("/healthz")
+    assert response.status_code == 405 and "GET" in response.headers["Allow"]

@@ -1,0 +1,313 @@
+"""Owner election, aggregation and the in-process endpoint across real rank processes.
+
+Every rank is a subprocess running one Exporter (support.EXPORTER_RANK_SCRIPT) on 127.0.0.1 and a free port;
+the test process scrapes it over a real socket. Every process is reaped by the ``reaper`` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from support import (  # noqa: F401  (pytest fixtures)
+    DEADLINE_S,
+    ExporterRank,
+    Reaper,
+    free_port,
+    healthz,
+    hold_flock,
+    listening_socket,
+    parse_exposition,
+    pids_in,
+    reaper_fixture,
+    scrape,
+    select_pid,
+    series,
+    start_exporter_rank,
+    start_rank,
+    try_scrape,
+    wait_for_metrics,
+    wait_until,
+)
+
+from election import held_addresses_except, lock_file_name
+from store import EventType
+
+E = EventType
+BUCKETS = "10,100,1000"
+LES = ("10.0", "100.0", "1000.0", "+Inf")
+BOUNDS = (10, 100, 1000)
+
+# The exposition's names, spelled out here rather than taken from the descriptor under test.
+COUNTER_NAMES = {
+    E.AGENT_TX_BYTES: "agent_tx_bytes_total",
+    E.AGENT_RX_BYTES: "agent_rx_bytes_total",
+    E.AGENT_TX_REQUESTS_NUM: "agent_tx_requests_num_total",
+    E.AGENT_RX_REQUESTS_NUM: "agent_rx_requests_num_total",
+    E.AGENT_MEMORY_REGISTERED: "agent_memory_registered_total",
+    E.AGENT_MEMORY_DEREGISTERED: "agent_memory_deregistered_total",
+    E.AGENT_XFER_TIME: "agent_xfer_time_total",
+    E.AGENT_XFER_POST_TIME: "agent_xfer_post_time_total",
+    E.AGENT_TELEMETRY_EVENTS_DROPPED: "agent_telemetry_events_dropped_total",
+}
+GAUGE_NAMES = {
+    E.AGENT_TX_BYTES: "agent_tx_last_bytes",
+    E.AGENT_RX_BYTES: "agent_rx_last_bytes",
+    E.AGENT_MEMORY_REGISTERED: "agent_memory_registered_last_bytes",
+    E.AGENT_MEMORY_DEREGISTERED: "agent_memory_deregistered_last_bytes",
+    E.AGENT_XFER_TIME: "agent_xfer_time",
+    E.AGENT_XFER_POST_TIME: "agent_xfer_post_time",
+}
+HISTOGRAM_NAMES = {E.AGENT_XFER_TIME: "agent_xfer_time_us", E.AGENT_XFER_POST_TIME: "agent_xfer_post_time_us"}
+ERROR_STATUSES = {
+    E.AGENT_ERR_NOT_POSTED: "not_posted", E.AGENT_ERR_INVALID_PARAM: "invalid_param",
+    E.AGENT_ERR_BACKEND: "backend", E.AGENT_ERR_NOT_FOUND: "not_found", E.AGENT_ERR_MISMATCH: "mismatch",
+    E.AGENT_ERR_NOT_ALLOWED: "not_allowed", E.AGENT_ERR_REPOST_ACTIVE: "repost_active",
+    E.AGENT_ERR_UNKNOWN: "unknown", E.AGENT_ERR_NOT_SUPPORTED: "not_supported",
+    E.AGENT_ERR_REMOTE_DISCONNECT: "remote_disconnect", E.AGENT_ERR_CANCELED: "canceled",
+    E.AGENT_ERR_NO_TELEMETRY: "no_telemetry",
+}
+
+
+def rank_events(i: int) -> list[tuple[EventType, int]]:
+    """What rank i records: different values per rank, on every bucket boundary and past the last bound."""
+    xfer = [5, 10, 11, 100, 999 + i, 1000, 1001, 10**6 * (i + 1)][: 5 + i]
+    return [
+        (E.AGENT_TX_BYTES, 100 * (i + 1)), (E.AGENT_TX_BYTES, 7 + i),
+        (E.AGENT_RX_BYTES, 3 * i + 1),
+        *[(E.AGENT_TX_REQUESTS_NUM, 1)] * (i + 1),
+        (E.AGENT_RX_REQUESTS_NUM, 2 * i),
+        (E.AGENT_MEMORY_REGISTERED, 4096 * (i + 1)),
+        (E.AGENT_MEMORY_DEREGISTERED, 2048 * i),
+        *[(E.AGENT_XFER_TIME, v) for v in xfer],
+        (E.AGENT_XFER_POST_TIME, i + 1), (E.AGENT_XFER_POST_TIME, 20 * (i + 1)),
+        *[(E.AGENT_ERR_BACKEND, 1)] * i,
+        (E.AGENT_ERR_CANCELED, 1),
+        (E.AGENT_TELEMETRY_EVENTS_DROPPED, i),
+    ]
+
+
+def expected_exposition(events: list[tuple[EventType, int]], labels: dict[str, object]) -> dict:
+    """The series one rank must show after recording ``events`` (every family, zeros included)."""
+    counters = dict.fromkeys(E, 0)
+    gauges = dict.fromkeys(E, 0)
+    observed: dict[EventType, list[int]] = {ev: [] for ev in HISTOGRAM_NAMES}
+    for ev, value in events:
+        counters[ev] += value
+        gauges[ev] = value
+        if ev in observed:
+            observed[ev].append(value)
+    out = {}
+    for ev, name in COUNTER_NAMES.items():
+        out[series(name, **labels)] = counters[ev]
+    for ev, status in ERROR_STATUSES.items():
+        out[series("agent_errors_total", status=status, **labels)] = counters[ev]
+    for ev, name in GAUGE_NAMES.items():
+        out[series(name, **labels)] = gauges[ev]
+    for ev, name in HISTOGRAM_NAMES.items():
+        values = observed[ev]
+        for le, bound in zip(LES, (*BOUNDS, float("inf")), strict=True):
+            out[series(f"{name}_bucket", le=le, **labels)] = sum(1 for v in values if v <= bound)
+        out[series(f"{name}_count", **labels)] = len(values)
+        out[series(f"{name}_sum", **labels)] = sum(values)
+    return out
+
+
+def owner_pid(port: int) -> int:
+    return healthz(port)["owner"]["pid"]
+
+
+def test_four_ranks_behind_one_endpoint_with_exact_values(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    env = {"NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US": BUCKETS}
+    ranks = [start_exporter_rank(reaper, tmp_dir, port, agent=f"agent-{i}", extra_env={**env, "LOCAL_RANK": str(i)})
+             for i in range(4)]
+    assert [r.serving_at_start for r in ranks] == [True, False, False, False]
+    for i, rank in enumerate(ranks):
+        rank.events(rank_events(i))
+    assert [r.serving() for r in ranks] == [True, False, False, False]
+
+    samples = parse_exposition(scrape(port))
+    host = socket.gethostname()
+    expected = {}
+    for i, rank in enumerate(ranks):
+        labels = {"hostname": host, "agent_name": f"agent-{i}", "pid": rank.pid, "agent_instance": 0,
+                  "local_rank": i}
+        expected.update(expected_exposition(rank_events(i), labels))
+    assert samples == expected
+
+    doc = healthz(port)
+    assert doc["owner"]["pid"] == ranks[0].pid
+    assert sorted(r["pid"] for r in doc["live"]) == sorted(r.pid for r in ranks)
+    assert doc["stale"] == [] and doc["warnings"] == []
+
+
+def test_killed_writer_is_dropped_and_unlinked_on_the_next_scrape_with_ttl_0(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    ttl0 = {"NIXL_TELEMETRY_MP_STALE_TTL": "0"}
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner", extra_env=ttl0)
+    writer = start_exporter_rank(reaper, tmp_dir, port, agent="writer", extra_env=ttl0)
+    writer.events([(E.AGENT_TX_BYTES, 4096)])
+    assert pids_in(parse_exposition(scrape(port))) == {owner.pid, writer.pid}
+    assert writer.store.exists()
+
+    writer.kill()
+    time.sleep(0.001)  # the monotonic clock moves past its last update
+    samples = parse_exposition(scrape(port))
+    assert pids_in(samples) == {owner.pid}
+    assert not writer.store.exists()
+    doc = healthz(port)
+    assert [r["pid"] for r in doc["live"]] == [owner.pid] and doc["stale"] == []
+
+
+def test_killed_writer_is_published_again_with_the_default_ttl(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
+    writer = start_exporter_rank(reaper, tmp_dir, port, agent="writer", extra_env={"LOCAL_RANK": "1"})
+    writer.events([(E.AGENT_TX_BYTES, 4096), (E.AGENT_XFER_TIME, 250), (E.AGENT_ERR_BACKEND, 1)])
+    before = select_pid(parse_exposition(scrape(port)), writer.pid)
+    assert before[series("agent_tx_bytes_total", hostname=socket.gethostname(), agent_name="writer",
+                         pid=writer.pid, agent_instance=0, local_rank=1)] == 4096
+
+    writer.kill()
+    for _ in range(2):  # published once more, and again: values kept until the 30 s TTL
+        after = parse_exposition(scrape(port))
+        assert select_pid(after, writer.pid) == before
+        assert pids_in(after) == {owner.pid, writer.pid}
+    assert writer.store.exists()
+    doc = healthz(port)
+    assert [r["pid"] for r in doc["live"]] == [owner.pid]
+    (stale,) = doc["stale"]
+    assert stale["pid"] == writer.pid and stale["agent_name"] == "writer"
+    assert 0 < stale["seconds_until_reaped"] <= 30
+
+
+def test_writer_behind_a_sibling_owner_is_quiet(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
+    quiet = start_exporter_rank(reaper, tmp_dir, port, agent="quiet", log_level="WARNING", tick_hz=20)
+    chatty = start_exporter_rank(reaper, tmp_dir, port, agent="chatty", log_level="INFO", tick_hz=20)
+
+    def exported(rank: ExporterRank, n: int) -> bool:  # >= 0.5 s of exports: several election attempts
+        samples = select_pid(parse_exposition(scrape(port)), rank.pid)
+        return any(key[0] == "agent_rx_requests_num_total" and value >= n for key, value in samples.items())
+
+    wait_until(lambda: exported(quiet, 10) and exported(chatty, 10), message="both writers exporting")
+    for rank in (quiet, chatty):
+        assert rank.command("close")["serving"] is False
+    assert owner.serving()
+
+    assert quiet.stderr() == ""  # logging at WARNING: nothing at all
+    lines = chatty.stderr().splitlines()
+    assert not [line for line in lines if not line.startswith("INFO ")], lines
+    lost = [line for line in lines if "another process of the run serves" in line]
+    assert len(lost) == 1 and f"127.0.0.1:{port}" in lost[0]  # said once, at INFO
+
+
+def test_writer_takes_over_within_a_second_of_the_owner_being_sigkilled(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
+    owner.events([(E.AGENT_TX_BYTES, 1234)])
+    writer = start_exporter_rank(reaper, tmp_dir, port, agent="writer", tick_hz=10)
+    assert not writer.serving_at_start
+    assert owner_pid(port) == owner.pid
+
+    killed_at = time.monotonic()
+    owner.kill()
+    body = None
+    while body is None:
+        body = try_scrape(port, timeout=1.0)
+        assert time.monotonic() - killed_at < DEADLINE_S, "nobody took the address over"
+        if body is None:
+            time.sleep(0.005)
+    gap = time.monotonic() - killed_at
+    print(f"/metrics answered again {gap:.3f} s after the owner was killed")
+    assert gap < 1.0, f"/metrics answered again {gap:.3f} s after the owner was killed"
+
+    assert owner_pid(port) == writer.pid
+    samples = parse_exposition(body)
+    assert pids_in(samples) == {owner.pid, writer.pid}  # the dead owner's store is still published
+    owner_tx = [v for key, v in select_pid(samples, owner.pid).items() if key[0] == "agent_tx_bytes_total"]
+    assert owner_tx == [1234]
+
+
+def test_port_held_by_a_foreign_socket_warns_then_a_rank_takes_over(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    foreign = listening_socket(port)
+    try:
+        ranks = [start_exporter_rank(reaper, tmp_dir, port, agent=f"rank-{i}", tick_hz=20) for i in range(2)]
+        for rank in ranks:
+            assert not rank.serving_at_start
+            warnings = [line for line in rank.stderr().splitlines() if line.startswith("WARNING")]
+            assert any(address in line and "cannot bind" in line for line in warnings), rank.stderr()
+        assert not any(r.serving() for r in ranks)
+        assert held_addresses_except(tmp_dir, "127.0.0.1:1") == []  # the election was conceded
+    finally:
+        foreign.close()
+    # every rank backs off 5 s after its failed bind; the first to retry once the port is free serves
+    wait_for_metrics(port, timeout=10.0)
+    assert owner_pid(port) in {r.pid for r in ranks}
+    wait_until(lambda: [r.serving() for r in ranks].count(True) == 1, message="exactly one serving rank")
+
+
+def test_ranks_on_two_ports_both_serve_and_report_each_other(tmp_dir: Path, reaper) -> None:
+    port_a, port_b = free_port(), free_port()
+    addr_a, addr_b = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"
+    a = start_exporter_rank(reaper, tmp_dir, port_a, agent="a")
+    b = start_exporter_rank(reaper, tmp_dir, port_b, agent="b")
+    assert a.serving_at_start and b.serving_at_start
+    construction = [line for line in b.stderr().splitlines() if line.startswith("WARNING")]
+    assert any(addr_a in line for line in construction), b.stderr()  # said at construction, naming the other
+    for port in (port_a, port_b):
+        assert pids_in(parse_exposition(scrape(port))) == {a.pid, b.pid}  # each exports every rank
+        dups = [w for w in healthz(port)["warnings"] if w["kind"] == "duplicate-owners"]
+        assert len(dups) == 1, dups
+        assert sorted(dups[0]["details"]["addresses"]) == sorted([addr_a, addr_b])
+        other = addr_b if port == port_a else addr_a
+        assert other in dups[0]["message"]
+
+
+def test_leftover_lock_file_is_not_a_second_owner(tmp_dir: Path, reaper) -> None:
+    port, old_port = free_port(), free_port()
+    leftover = tmp_dir / lock_file_name(f"127.0.0.1:{old_port}")
+    leftover.touch(mode=0o600)  # an earlier run's lock file: present, held by nobody
+    rank = start_exporter_rank(reaper, tmp_dir, port, agent="a")
+    assert rank.serving_at_start
+    assert rank.stderr() == ""
+    assert [w for w in healthz(port)["warnings"] if w["kind"] == "duplicate-owners"] == []
+    assert held_addresses_except(tmp_dir, f"127.0.0.1:{port}") == []
+    assert held_addresses_except(tmp_dir, f"127.0.0.1:{old_port}") == [f"127.0.0.1:{port}"]
+    assert leftover.exists()
+
+
+def test_foreign_owned_lock_held_elsewhere_cannot_leave_the_run_unscrapeable(tmp_dir: Path, reaper) -> None:
+    port = free_port()
+    lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+    lock.touch(mode=0o600)
+    os.chown(lock, 12345, 12345)
+    hold_flock(reaper, lock)  # a co-tenant holding a planted lock on the address
+    rank = start_exporter_rank(reaper, tmp_dir, port, agent="a")
+    assert rank.serving_at_start  # the bind decided
+    warnings = [line for line in rank.stderr().splitlines() if line.startswith("WARNING")]
+    assert any(str(lock) in line and "unusable" in line for line in warnings), rank.stderr()
+    doc = healthz(port)
+    assert doc["owner"]["pid"] == rank.pid
+    assert doc["owner"]["election"] == "bind-fallback"
+    unusable = [w for w in doc["warnings"] if w["kind"] == "unusable-lock"]
+    assert len(unusable) == 1 and unusable[0]["details"] == {"lock_file": str(lock)}
+    assert pids_in(parse_exposition(scrape(port))) == {rank.pid}
+
+
+def test_reaper_kills_and_waits_for_every_process_it_started(tmp_dir: Path) -> None:
+    with Reaper() as reaper:
+        sleepers = [start_rank(reaper, "import sys, time; print('up', flush=True); time.sleep(600)")
+                    for _ in range(2)]
+        assert [s.readline() for s in sleepers] == ["up", "up"]
+        exited = start_rank(reaper, "pass")
+        exited.proc.wait(timeout=DEADLINE_S)
+    for proc in (*[s.proc for s in sleepers], exited.proc):
+        assert proc.returncode is not None  # reaped: no zombie, no survivor
+    assert [s.proc.returncode for s in sleepers] == [-9, -9]
