@@ -8,6 +8,7 @@ frees, whichever rank wins next takes the address over.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import logging
@@ -18,7 +19,7 @@ import time
 import weakref
 from typing import Any
 
-from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
+from werkzeug.serving import BaseWSGIServer, ThreadedWSGIServer, WSGIRequestHandler
 
 from app.web import MetricsApp
 from election import Outcome, OwnerElection
@@ -29,16 +30,120 @@ RETRY_NS = 200_000_000  # a writer re-runs the election at most every 200 ms
 BACKOFF_NS = 5_000_000_000  # ... but every 5 s once a won election failed to bind
 NEVER = 1 << 63
 _POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency
-_REQUEST_TIMEOUT_S = 10.0  # a stalled client frees its thread after this
+_REQUEST_TIMEOUT_S = 10.0  # a connection is cut this long after it was accepted, whatever the client does
+MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are refused with a 503
+_MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs before closing
+_DRAIN_CHUNK = 64 << 10
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 33\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many concurrent connections\r\n")
+
+
+class _CappedReader:
+    """The request stream, of which at most ``limit`` bytes are ever read, at most one chunk at a time.
+
+    After the response werkzeug drains what the client sent, up to 10 GB in 10 MB reads; neither endpoint
+    reads a body, so a client streaming one must cost neither memory nor its thread's time.
+    """
+
+    def __init__(self, stream: Any, limit: int) -> None:
+        self._stream = stream
+        self._left = limit
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self._left <= 0:
+            return b""
+        want = self._left if size is None or size < 0 else min(size, self._left)
+        data = self._stream.read1(min(want, _DRAIN_CHUNK))
+        self._left -= len(data)
+        return data
+
+    def readline(self, size: int | None = -1) -> bytes:
+        if self._left <= 0:
+            return b""
+        want = self._left if size is None or size < 0 else min(size, self._left)
+        data = self._stream.readline(min(want, _DRAIN_CHUNK))
+        self._left -= len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """One log line per scrape would drown the rank's own logs."""
+    """One log line per scrape would drown the rank's own logs.
+
+    So would one per malformed or timed-out request, which a client controls: those go to DEBUG.
+    """
 
     timeout = _REQUEST_TIMEOUT_S
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         pass
+
+    def log(self, type: str, message: str, *args: Any) -> None:
+        log.debug("telemetry endpoint, client %s: " + message, self.address_string(), *args)
+
+    def run_wsgi(self) -> None:
+        self.rfile = _CappedReader(self.rfile, _MAX_DRAIN_BYTES)  # type: ignore[assignment]
+        super().run_wsgi()
+
+
+class _BoundedServer(ThreadedWSGIServer):
+    """werkzeug's threaded server with a bound on connections and on how long each may last.
+
+    Every connection costs the rank a thread and a descriptor, so at most MAX_CONNECTIONS are served at once;
+    one more is answered 503 and closed right away by the accepting thread.  A per-read timeout alone would
+    let a client that sends a byte now and then hold its thread for ever, so each connection also gets a
+    deadline, _REQUEST_TIMEOUT_S after it was accepted, past which the serving loop shuts its socket down.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._connections: dict[socket.socket, float] = {}  # -> deadline (monotonic s)
+        self._connections_lock = threading.Lock()
+        self._refusal_logged = False
+        super().__init__(*args, **kwargs)  # (which already calls server_close once)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            full = len(self._connections) >= MAX_CONNECTIONS
+            if not full:
+                self._connections[request] = time.monotonic() + _REQUEST_TIMEOUT_S
+        if not full:
+            super().process_request(request, client_address)  # a thread per connection
+            return
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            log.warning("the telemetry endpoint has %d connections open; further ones are answered 503 until "
+                        "some finish (each is cut %.0f s after it was accepted)", MAX_CONNECTIONS,
+                        _REQUEST_TIMEOUT_S)
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            request.send(_BUSY)
+        self.shutdown_request(request)
+
+    def shutdown_request(self, request: Any) -> None:
+        # Under the lock: service_actions must never shut down a descriptor that was closed (and reused).
+        with self._connections_lock:
+            self._connections.pop(request, None)
+            super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Called by serve_forever at every poll: cut the connections past their deadline."""
+        super().service_actions()
+        now = time.monotonic()
+        with self._connections_lock:
+            for sock, deadline in self._connections.items():
+                if now > deadline:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+    def server_close(self) -> None:
+        """Close the listener and cut every open connection: nothing serves after close()."""
+        super().server_close()
+        with self._connections_lock:
+            for sock in self._connections:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
@@ -64,7 +169,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
 def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BaseWSGIServer, threading.Thread]:
     """A threaded werkzeug server on an already-bound socket, on a daemon thread."""
     host, port = sock.getsockname()[:2]
-    server = make_server(host, port, app, threaded=True, request_handler=_QuietHandler, fd=sock.fileno())
+    server = _BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
     sock.close()  # the server holds its own duplicate
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name=name,
                               daemon=True)

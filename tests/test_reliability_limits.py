@@ -1,0 +1,172 @@
+"""The documented limits (README "Guarantees and limits"), each shown to behave as documented."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import textwrap
+import time
+import types
+
+import pytest
+from support import (
+    exporter_env,
+    free_port,
+    healthz,
+    parse_exposition,
+    reaper_fixture,  # noqa: F401  (a fixture)
+    scrape,
+    start_exporter_rank,
+    start_rank,
+    try_scrape,
+)
+
+import election.lock
+import store.writer
+from app import Exporter
+from app.collector import Collector
+from app.exposition import Renderer
+from election import lock_file_name
+from store import EventType, writer_alive
+
+pytestmark = pytest.mark.reliability
+
+PR_SET_CHILD_SUBREAPER = 36
+
+FORKING_RANK = textwrap.dedent("""
+    import json, os, sys, time
+    from app import Exporter
+    exp = Exporter("parent")
+    exp.export_event(0, 5)
+    child = os.fork()
+    if child == 0:  # a child that forks without exec and never exports: it just lives on
+        time.sleep(60)
+        os._exit(0)
+    print(json.dumps({"pid": os.getpid(), "child": child, "serving": exp.serving, "store": str(exp.store_path)}),
+          flush=True)
+    sys.stdin.read()
+""")
+
+
+def lock_is_free(path) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, reaper):
+    """Our fork handling closes the inherited store and lock descriptors in the child, so (unlike the C++
+    plug-in's wording) a child that only forks does NOT keep its parent's store looking live: once the parent
+    dies its store is departed and its address free, while the child still runs."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0  # the orphaned child is ours to reap
+    port = free_port()
+    child = None
+    try:
+        rank = start_rank(reaper, FORKING_RANK, exporter_env(tmp_dir, port))
+        info = json.loads(rank.readline(20))
+        child = info["child"]
+        assert info["serving"]
+        lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+        assert writer_alive(info["store"]) and not lock_is_free(lock)
+        rank.kill()
+        assert os.path.exists(f"/proc/{child}")  # the child lives on...
+        assert not writer_alive(info["store"])  # ... without holding the parent's store
+        assert lock_is_free(lock)  # ... nor its election
+        with Exporter("next", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="3600")) as nxt:
+            assert nxt.serving
+            stale = healthz(port)["stale"]
+            assert [r["pid"] for r in stale] == [info["pid"]]  # published as departed, with its values
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+@pytest.mark.timeout(60)
+def test_idle_writers_never_reelect_until_one_exports(tmp_dir, reaper):
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
+    idle = start_exporter_rank(reaper, tmp_dir, port, agent="idle")
+    assert owner.serving_at_start and not idle.serving_at_start
+    owner.kill()
+    time.sleep(1.0)  # five times the re-election period: an idle writer still does not take over
+    assert try_scrape(port, timeout=1) is None
+    assert not idle.serving()
+    idle.events([(EventType.AGENT_TX_BYTES, 1)])  # its next export re-runs the election
+    assert idle.serving()
+    assert "agent_tx_bytes_total" in scrape(port)
+
+
+def test_ranks_split_across_directories_detected_only_from_the_abandoned_side(tmp_path, caplog):
+    port = free_port()
+    served, abandoned = tmp_path / "served", tmp_path / "abandoned"
+    caplog.set_level(logging.WARNING)
+    with Exporter("served", exporter_env(served, port)) as a:
+        assert a.serving
+        with Exporter("elsewhere", exporter_env(abandoned, port)) as b:
+            assert not b.serving  # won its own directory's election, cannot bind the port
+            b.export_event(EventType.AGENT_TX_BYTES, 1)
+            assert any("cannot bind" in r.getMessage() and str(abandoned) in r.getMessage()
+                       for r in caplog.records)
+            doc = healthz(port)
+            assert doc["warnings"] == []  # the directory that elected an owner looks healthy...
+            names = {v for _, labels in parse_exposition(scrape(port)) for k, v in labels if k == "agent_name"}
+            assert names == {"served"}  # ... and aggregates a subset
+
+
+def test_different_bucket_bounds_across_ranks_give_different_le_sets(make_writer, tmp_dir):
+    a = make_writer(agent_name="a", bounds=(10.0, 100.0))
+    b = make_writer(agent_name="b", instance=1, bounds=(5.0, 50.0, 500.0))
+    for writer in (a, b):
+        writer.record(EventType.AGENT_XFER_TIME, 42)
+    samples = parse_exposition(Renderer().render(Collector(tmp_dir, 30).collect().published).decode())
+    les = {}
+    for (name, labels), value in samples.items():
+        if name == "agent_xfer_time_us_bucket":
+            d = dict(labels)
+            les.setdefault(d["agent_name"], {})[d["le"]] = value
+    assert les == {"a": {"10.0": 0, "100.0": 1, "+Inf": 1}, "b": {"5.0": 0, "50.0": 1, "500.0": 1, "+Inf": 1}}
+
+
+def _no_flock(*_args):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+
+def test_filesystem_without_flock(tmp_dir, monkeypatch, caplog):
+    """Where flock fails: every rank warns; the port bind elects (one owner still); an idle writer's store
+    looks departed and is reaped while it runs -- and it keeps recording without failing."""
+    fake = types.SimpleNamespace(flock=_no_flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB,
+                                 LOCK_SH=fcntl.LOCK_SH, LOCK_UN=fcntl.LOCK_UN)
+    monkeypatch.setattr(store.writer, "fcntl", fake)
+    monkeypatch.setattr(election.lock, "fcntl", fake)
+    caplog.set_level(logging.WARNING)
+    port = free_port()
+    env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0.5")
+
+    def agents() -> set[str]:
+        return {v for _, labels in parse_exposition(scrape(port)) for k, v in labels if k == "agent_name"}
+
+    with Exporter("first", env) as first, Exporter("second", env) as second:
+        assert [first.serving, second.serving] == [True, False]  # the bind decided
+        assert healthz(port)["owner"]["election"] == "bind-fallback"
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "could not flock the telemetry store" in messages and "bind decides" in messages
+        second.export_event(EventType.AGENT_RX_BYTES, 7)
+        assert "second" in agents()
+        time.sleep(0.6)  # idle past the TTL: nothing tells the collector that this writer still runs
+        assert "second" not in agents() and not second.store_path.exists()
+        second.export_event(EventType.AGENT_RX_BYTES, 7)  # into the unlinked inode: no error, never seen again
+        assert "second" not in agents()
