@@ -43,7 +43,7 @@ class Collection:
     def published(self) -> list[Snapshot]:
         """Every store exposed on /metrics, live and departed, in file-name order."""
         ranks = self.live + self.stale
-        ranks.sort(key=lambda r: r.snapshot.path.name)
+        ranks.sort(key=lambda r: r.snapshot.name)
         return [r.snapshot for r in ranks]
 
 

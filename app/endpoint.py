@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import importlib.metadata
 import logging
 import os
 import socket
@@ -25,6 +26,14 @@ from app.web import MetricsApp
 from election import Outcome, OwnerElection
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
+
+# werkzeug's server constructor looks its own version up with
+# importlib.metadata.  Done for the first time in a takeover, importing that
+# module and filling its path caches would cost milliseconds between the old
+# owner's death and the first scrape served; done here, it costs them once, at
+# import, and a takeover only pays the (cached) lookup itself.
+with contextlib.suppress(Exception):
+    importlib.metadata.version("werkzeug")
 
 RETRY_NS = 200_000_000  # a writer re-runs the election at most every 200 ms
 BACKOFF_NS = 5_000_000_000  # ... but every 5 s once a won election failed to bind

@@ -89,6 +89,7 @@ class Exporter:
                                  config.buckets)
         self._writer = StoreWriter(config.directory, identity, config.enabled)
         self._recorders = self._writer.recorders
+        self._transfers = self._writer.transfer_recorders
         self._close_lock = threading.Lock()
         self._closed = False
         try:
@@ -145,16 +146,14 @@ class Exporter:
             self._next_claim_ns = self._endpoint.claim()
 
     def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
-        """The four events NIXL records for one completed transfer."""
-        recorders = self._recorders
-        if is_write:
-            recorders[EventType.AGENT_TX_BYTES](nbytes)
-            recorders[EventType.AGENT_TX_REQUESTS_NUM](1)
-        else:
-            recorders[EventType.AGENT_RX_BYTES](nbytes)
-            recorders[EventType.AGENT_RX_REQUESTS_NUM](1)
-        recorders[EventType.AGENT_XFER_POST_TIME](post_time_us)
-        if recorders[EventType.AGENT_XFER_TIME](xfer_time_us) >= self._next_claim_ns:
+        """The four events NIXL records for one completed transfer.
+
+        TX_BYTES and TX_REQUESTS_NUM (1) for a write, RX_* otherwise, then
+        XFER_POST_TIME and XFER_TIME: under one lock acquisition with one
+        heartbeat.  Raises ValueError/TypeError, changing nothing, unless all
+        three values are unsigned 64-bit integers.
+        """
+        if self._transfers[True if is_write else False](xfer_time_us, post_time_us, nbytes) >= self._next_claim_ns:
             self._reclaim()
 
     def record_error(self, status: EventType | str) -> None:

@@ -4,15 +4,19 @@ or OpenMetrics 1.0.0.
 Two paths produce the same bytes.  ``reference_families`` builds ordinary
 prometheus_client metric families (``RegistryCollector`` lets users register
 a directory in their own registry).  ``Renderer`` is the scrape's fast path:
-a store's labels never change, so each store's sample-line prefixes are
-rendered once and cached, and a scrape only formats numbers.  The family
-headers are produced by prometheus_client's own generators.  The tests prove
-both paths byte-identical to prometheus_client's output, in both formats.
+a store's labels never change, so each store's sample lines become UTF-8
+%-templates once, cached, and a scrape only formats numbers into them.  The
+family headers are produced by prometheus_client's own generators.  The tests
+(tests/test_exposition_equivalence.py) prove the fast path byte-identical to
+prometheus_client's own output, in both formats.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
+from operator import itemgetter
 
 from prometheus_client.exposition import generate_latest as generate_text
 from prometheus_client.metrics_core import Metric
@@ -20,6 +24,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.utils import floatToGoString
 
 from store import Snapshot
+from store.layout import BUCKET_SLOTS, W_BUCKETS, W_COUNTERS, W_GAUGES, W_SUMS
 from store.metrics import FAMILIES, Family, error_status
 
 
@@ -102,26 +107,65 @@ def _headers(openmetrics: bool) -> tuple[str, ...]:
     return tuple(out)
 
 
-_TEXT_HEADERS = _headers(openmetrics=False)
-_OM_HEADERS = _headers(openmetrics=True)
-_OM_EOF = "# EOF\n"
+_TEXT_HEADERS = tuple(h.encode("utf-8") for h in _headers(openmetrics=False))
+_OM_HEADERS = tuple(h.encode("utf-8") for h in _headers(openmetrics=True))
+_OM_EOF_BYTES = b"# EOF\n"
 
 
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+_EXACT_FLOAT_LIMIT = 1 << 53  # every int below is exactly a float, and below 1e16 repr() has no exponent
+
+
 def format_value(value: int) -> str:
-    """floatToGoString for a u64 sample, with the common small case inlined."""
-    if value < 1_000_000:  # repr(float(v)) is "<v>.0" here, and Go agrees
+    """floatToGoString for a u64 sample, without the float round trip where it is exact.
+
+    Below 10**6 Python and Go agree on "<v>.0"; up to 2**53 the value is an
+    exact float whose repr is "<v>.0" too, which prometheus_client turns into
+    Go's "d.ddde+XX"; beyond that floats round, so prometheus_client decides.
+    """
+    if value < 1_000_000:
         return f"{value}.0"
+    if value < _EXACT_FLOAT_LIMIT:
+        digits = str(value)
+        return f"{(digits[0] + '.' + digits[1:]).rstrip('0.')}e+{len(digits) - 1:02d}"
     return floatToGoString(value)
 
 
-class _RankLines:
-    """One store's sample-line prefixes ("name{labels} "), per family."""
+def _format_bytes(value: int) -> bytes:
+    return format_value(value).encode("ascii")
 
-    __slots__ = ("prefixes",)
+
+def _template(prefixes: Sequence[str], placeholders: Sequence[str]) -> bytes:
+    """``prefix value\n`` lines as one UTF-8 %-template (a label value's own % doubled)."""
+    return "".join(f"{pre.replace('%', '%%')}{ph}\n"
+                   for pre, ph in zip(prefixes, placeholders, strict=True)).encode("utf-8")
+
+
+def _prefixes(fam: Family, head: str, tail: str, les: Sequence[str]) -> list[str]:
+    """Every sample line of one family for one store, up to its value ("name{labels} ")."""
+    base = f"{head},{tail}"
+    if fam.kind == "histogram":
+        return [*(f'{fam.name}_bucket{{{head},le="{le}",{tail}}} ' for le in les),
+                f"{fam.name}_count{{{base}}} ", f"{fam.name}_sum{{{base}}} "]
+    if len(fam.events) > 1:
+        return [f'{fam.name}{{{base},status="{error_status(ev)}"}} ' for ev in fam.events]
+    return [f"{fam.name}{{{base}}} "]
+
+
+class _RankLines:
+    """One store's sample lines as %-templates, one per family.
+
+    ``small[i]`` formats family i when every value but a histogram's sum is
+    below 10**6 (``%d.0``, formatted in C); ``big(i)`` takes every value
+    already formatted (``%s``), and is only built for the families that ever
+    need it, so that the templates a scrape streams through stay compact.  A
+    histogram's sum is always passed formatted.
+    """
+
+    __slots__ = ("_big", "_labels", "small")
 
     def __init__(self, snap: Snapshot) -> None:
         # prometheus_client sorts label names: agent_instance, agent_name,
@@ -129,68 +173,90 @@ class _RankLines:
         labels = label_pairs(snap)
         head = ",".join(f'{k}="{_escape(labels[k])}"' for k in ("agent_instance", "agent_name", "hostname"))
         tail = ",".join(f'{k}="{_escape(labels[k])}"' for k in ("local_rank", "pid") if k in labels)
-        base = f"{head},{tail}"
         les = [floatToGoString(b) for b in snap.bounds] + ["+Inf"]
-        prefixes: list[tuple[str, ...]] = []
+        self._labels = (head, tail, les)
+        small = []
         for fam in FAMILIES:
+            prefixes = _prefixes(fam, head, tail, les)
+            placeholders = ["%d.0"] * len(prefixes)
             if fam.kind == "histogram":
-                buckets = tuple(f'{fam.name}_bucket{{{head},le="{le}",{tail}}} ' for le in les)
-                prefixes.append((*buckets, f"{fam.name}_count{{{base}}} ", f"{fam.name}_sum{{{base}}} "))
-            elif len(fam.events) > 1:
-                prefixes.append(tuple(f'{fam.name}{{{base},status="{error_status(ev)}"}} ' for ev in fam.events))
-            else:
-                prefixes.append((f"{fam.name}{{{base}}} ",))
-        self.prefixes = tuple(prefixes)
+                placeholders[-1] = "%s"
+            small.append(_template(prefixes, placeholders))
+        self.small = tuple(small)
+        self._big: list[bytes | None] = [None] * len(FAMILIES)
+
+    def big(self, i: int) -> bytes:
+        template = self._big[i]
+        if template is None:
+            prefixes = _prefixes(FAMILIES[i], *self._labels)
+            template = self._big[i] = _template(prefixes, ["%s"] * len(prefixes))
+        return template
 
 
 class Renderer:
-    """Renders snapshots to exposition bytes, caching each store's labels."""
+    """Renders snapshots to exposition bytes, caching each store's templates.
+
+    A store's labels never change, so its sample lines are turned into
+    %-templates once; a scrape then costs one C-level format per store and
+    family, plus one Python-level number format per value of 10**6 or more.
+    """
 
     def __init__(self) -> None:
         self._cache: dict[bytes, _RankLines] = {}
 
     def render(self, snapshots: Sequence[Snapshot], openmetrics: bool = False) -> bytes:
         if not snapshots:
-            return _OM_EOF.encode() if openmetrics else b""
+            return _OM_EOF_BYTES if openmetrics else b""
         cache = self._cache
-        ranks = []
+        # Parallel lists rather than a tuple per store: a scrape of N stores
+        # allocates O(1) long-lived objects here, which keeps the cyclic GC out.
+        words_of: list[array[int]] = []
+        buckets_of: list[int] = []
+        lines_of: list[_RankLines] = []
         for snap in snapshots:
             lines = cache.get(snap.identity_key)
             if lines is None:
                 lines = cache[snap.identity_key] = _RankLines(snap)
-            ranks.append((snap, lines.prefixes))
-        if len(cache) > 2 * len(ranks) + 64:  # departed stores: keep the cache bounded
+            words_of.append(snap.words)
+            buckets_of.append(len(snap.bounds) + 1)
+            lines_of.append(lines)
+        if len(cache) > 2 * len(snapshots) + 64:  # departed stores: keep the cache bounded
             keep = {snap.identity_key for snap in snapshots}
             self._cache = {k: v for k, v in cache.items() if k in keep}
-        fmt = format_value
-        parts: list[str] = []
+        fmt = _format_bytes
+        parts: list[bytes] = []
         append = parts.append
         for i, (fam, header) in enumerate(zip(FAMILIES, _OM_HEADERS if openmetrics else _TEXT_HEADERS,
                                               strict=True)):
             append(header)
+            smalls = [lines.small[i] for lines in lines_of]
             slot = fam.events[0]
             if fam.kind == "histogram":
-                for snap, prefixes in ranks:
-                    pre = prefixes[i]
-                    total = 0
-                    for j, count in enumerate(snap.histogram(slot)):
-                        total += count
-                        append(f"{pre[j]}{fmt(total)}\n")
-                    append(f"{pre[-2]}{fmt(total)}\n{pre[-1]}{fmt(snap.sums[slot])}\n")
-            elif fam.kind == "gauge":
-                for snap, prefixes in ranks:
-                    append(f"{prefixes[i][0]}{fmt(snap.gauges[slot])}\n")
+                first, total_at = W_BUCKETS + slot * BUCKET_SLOTS, W_SUMS + slot
+                for words, nb, small, lines in zip(words_of, buckets_of, smalls, lines_of, strict=True):
+                    cumulative = list(accumulate(words[first:first + nb]))
+                    total = cumulative[-1]
+                    cumulative.append(total)
+                    value = words[total_at]
+                    cumulative.append(b"%d.0" % value if value < 1_000_000 else fmt(value))
+                    if total < 1_000_000:
+                        append(small % tuple(cumulative))
+                    else:
+                        cumulative[:-1] = map(fmt, cumulative[:-1])
+                        append(lines.big(i) % tuple(cumulative))
             elif len(fam.events) == 1:
-                for snap, prefixes in ranks:
-                    append(f"{prefixes[i][0]}{fmt(snap.counters[slot])}\n")
+                at = (W_GAUGES if fam.kind == "gauge" else W_COUNTERS) + slot
+                for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
+                    value = words[at]
+                    append(small % value if value < 1_000_000 else lines.big(i) % fmt(value))
             else:
-                for snap, prefixes in ranks:
-                    counters = snap.counters
-                    for pre, ev in zip(prefixes[i], fam.events, strict=True):
-                        append(f"{pre}{fmt(counters[ev])}\n")
+                pick = itemgetter(*(W_COUNTERS + ev for ev in fam.events))
+                for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
+                    values = pick(words)
+                    append(small % values if max(values) < 1_000_000 else lines.big(i) % tuple(map(fmt, values)))
         if openmetrics:
-            append(_OM_EOF)
-        return "".join(parts).encode()
+            append(_OM_EOF_BYTES)
+        return b"".join(parts)
 
 
 def reference_render(snapshots: Sequence[Snapshot], openmetrics: bool = False) -> bytes:

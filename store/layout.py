@@ -63,8 +63,9 @@ FIELDS: Final = (
     SUMS_FIELD,
 )
 
-# The whole file as one struct, so a reader decodes a store with one call
-# over one copy.  "=" is native byte order with no alignment padding.
+# The whole file as one struct, so a store decodes with one call over one
+# copy (the scrape's reader unpacks PREFIX_STRUCT and takes the u64 words as
+# one array instead).  "=" is native byte order with no alignment padding.
 STORE_STRUCT: Final = struct.Struct(
     "=QIIqQQQ"
     f"{AGENT_NAME_SIZE}s{HOSTNAME_SIZE}s{LOCAL_RANK_SIZE}s"
@@ -73,6 +74,11 @@ STORE_STRUCT: Final = struct.Struct(
 # The header fields before the magic, packed at offset 8 by the writer.
 HEADER_STRUCT: Final = struct.Struct(
     f"=IIqQQQ{AGENT_NAME_SIZE}s{HOSTNAME_SIZE}s{LOCAL_RANK_SIZE}s"
+)
+# Everything before the counters (header, names, bounds): what a reader
+# unpacks field by field; the u64 arrays after it are read as words.
+PREFIX_STRUCT: Final = struct.Struct(
+    f"=QIIqQQQ{AGENT_NAME_SIZE}s{HOSTNAME_SIZE}s{LOCAL_RANK_SIZE}s{MAX_BUCKETS}d"
 )
 U64: Final = struct.Struct("=Q")
 F64_BOUNDS: Final = struct.Struct(f"={MAX_BUCKETS}d")
@@ -100,6 +106,15 @@ def word_index(field: tuple[int, int]) -> int:
     return field[0] // 8
 
 
+# The store viewed as u64[] (the writer's memoryview, a Snapshot's words):
+# where each per-slot array starts.
+STORE_WORDS: Final = STORE_SIZE // 8
+W_COUNTERS: Final = word_index(COUNTERS_FIELD)  # + slot
+W_GAUGES: Final = word_index(GAUGES_FIELD)  # + slot
+W_BUCKETS: Final = word_index(BUCKETS_FIELD)  # + slot * BUCKET_SLOTS + bucket
+W_SUMS: Final = word_index(SUMS_FIELD)  # + slot
+
+
 STORE_PREFIX: Final = "nixl."
 STORE_SUFFIX: Final = ".mmap"
 STAGING_SUFFIX: Final = ".staging"  # only where O_TMPFILE is refused
@@ -123,6 +138,8 @@ def _check_layout() -> None:
         raise AssertionError(f"store fields end at {end}, not {STORE_SIZE}")
     if STORE_STRUCT.size != STORE_SIZE:
         raise AssertionError(f"STORE_STRUCT is {STORE_STRUCT.size} bytes, not {STORE_SIZE}")
+    if PREFIX_STRUCT.size != COUNTERS_FIELD[0] or STORE_SIZE % 8:
+        raise AssertionError("PREFIX_STRUCT does not end where the counters start")
     if VERSION_FIELD[0] + HEADER_STRUCT.size != BOUNDS_FIELD[0]:
         raise AssertionError("HEADER_STRUCT does not end where the bucket bounds start")
     for field in (PID_FIELD, LAST_UPDATE_FIELD, AGENT_INSTANCE_FIELD, BUCKET_COUNT_FIELD,

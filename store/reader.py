@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import itertools
 import logging
 import math
+import operator
 import os
 import stat
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from store import layout as L
 from store.warnonce import OnceWarner
@@ -34,9 +36,18 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """One store's content at one instant (each word read atomically)."""
+    """One store's content at one instant (each word read atomically).
 
-    path: Path
+    ``words`` is the whole store as u64[] (``array('Q')``, indexed like the
+    writer's view: ``layout.W_COUNTERS + slot`` and so on); ``counters``,
+    ``gauges``, ``buckets`` and ``sums`` are tuples sliced from it on access.
+    A scrape builds one of these per store, so it holds as few objects as it
+    can: one flat array the cyclic GC never scans, no slices, and the path
+    only assembled when asked for.
+    """
+
+    directory: Path
+    name: str  # the store's file name in ``directory``
     pid: int
     last_update_ns: int
     instance: int
@@ -44,16 +55,37 @@ class Snapshot:
     hostname: str
     local_rank: str
     bounds: tuple[float, ...]
-    counters: tuple[int, ...]  # [slot]
-    gauges: tuple[int, ...]  # [slot]
-    buckets: tuple[int, ...]  # [slot * BUCKET_SLOTS + bucket], not cumulative
-    sums: tuple[int, ...]  # [slot]
+    words: array[int]
     identity_key: bytes  # the bytes that fix this store's labels, for caching
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.name
+
+    @property
+    def counters(self) -> tuple[int, ...]:
+        """[slot]"""
+        return tuple(self.words[L.W_COUNTERS:L.W_GAUGES])
+
+    @property
+    def gauges(self) -> tuple[int, ...]:
+        """[slot]"""
+        return tuple(self.words[L.W_GAUGES:L.W_BUCKETS])
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """[slot * BUCKET_SLOTS + bucket], not cumulative"""
+        return tuple(self.words[L.W_BUCKETS:L.W_SUMS])
+
+    @property
+    def sums(self) -> tuple[int, ...]:
+        """[slot]"""
+        return tuple(self.words[L.W_SUMS:L.W_SUMS + L.SLOT_COUNT])
 
     def histogram(self, slot: int) -> tuple[int, ...]:
         """Per-bucket counts of one slot: one per bound, then the overflow."""
-        start = slot * L.BUCKET_SLOTS
-        return self.buckets[start:start + len(self.bounds) + 1]
+        start = L.W_BUCKETS + slot * L.BUCKET_SLOTS
+        return tuple(self.words[start:start + len(self.bounds) + 1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,27 +109,27 @@ class Unreadable:
 ReadResult = Snapshot | InvalidStore | Unreadable
 
 
-def open_store(path: Path) -> int | Unreadable:
+def open_store(path: str | os.PathLike[str]) -> int | Unreadable:
     """Open a store for reading if it is a regular file we own."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            return Unreadable(path, "is a symbolic link, which is never followed")
+            return Unreadable(Path(path), "is a symbolic link, which is never followed")
         if exc.errno == errno.EACCES:
-            return Unreadable(path, "permission denied (owned by another user?)", foreign=True)
-        return Unreadable(path, os.strerror(exc.errno or 0), missing=exc.errno == errno.ENOENT)
+            return Unreadable(Path(path), "permission denied (owned by another user?)", foreign=True)
+        return Unreadable(Path(path), os.strerror(exc.errno or 0), missing=exc.errno == errno.ENOENT)
     try:
         st = os.fstat(fd)
     except OSError as exc:
         os.close(fd)
-        return Unreadable(path, os.strerror(exc.errno or 0))
+        return Unreadable(Path(path), os.strerror(exc.errno or 0))
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        return Unreadable(path, "is not a regular file")
+        return Unreadable(Path(path), "is not a regular file")
     if st.st_uid != os.geteuid():
         os.close(fd)
-        return Unreadable(path, f"is owned by uid {st.st_uid}, not {os.geteuid()}", foreign=True)
+        return Unreadable(Path(path), f"is owned by uid {st.st_uid}, not {os.geteuid()}", foreign=True)
     return fd
 
 
@@ -119,18 +151,78 @@ def probe_alive(fd: int) -> bool:
 
 def read_fd(fd: int, path: Path) -> Snapshot | InvalidStore | Unreadable:
     """Read and validate a store from an open descriptor, with one copy."""
+    return read_fd_in(fd, _directory_of(path), path.name)
+
+
+_directories: dict[str, Path] = {}
+
+
+def _directory_of(path: Path) -> Path:
+    """``path.parent``, one shared object per directory: a scrape's snapshots all point at the same one."""
+    text = os.path.dirname(os.fspath(path))
+    directory = _directories.get(text)
+    if directory is None:
+        if len(_directories) >= 64:
+            _directories.clear()
+        directory = _directories[text] = Path(text)
+    return directory
+
+
+def read_fd_in(fd: int, directory: Path, name: str) -> Snapshot | InvalidStore | Unreadable:
+    """read_fd for the store ``name`` in ``directory``: one pread, the header unpacked, the words as one array."""
     try:
         data = os.pread(fd, L.STORE_SIZE, 0)
     except OSError as exc:
-        return Unreadable(path, os.strerror(exc.errno or 0))
-    return decode(data, path)
+        return Unreadable(directory / name, os.strerror(exc.errno or 0))
+    return decode_in(data, directory, name)
 
 
 def decode(data: bytes, path: Path) -> Snapshot | InvalidStore:
     """Validate and decode a store's bytes (at least its first STORE_SIZE)."""
+    return decode_in(data, _directory_of(path), path.name)
+
+
+# What a store's identity bytes (pid, instance, bucket count, names, bounds)
+# decode to, once validated: they never change for a store, and decoding and
+# validating them is most of decode()'s work.  Bounded: a directory churning
+# through more identities than this just starts over.
+_IDENTITY_CACHE_SIZE = 4096
+_identities: dict[bytes, tuple[str, str, str, tuple[float, ...]]] = {}
+_IDENTITY_SLICES = (slice(L.PID_FIELD[0], L.LAST_UPDATE_FIELD[0]),
+                    slice(L.AGENT_INSTANCE_FIELD[0], L.COUNTERS_FIELD[0]))
+
+
+def decode_in(data: bytes, directory: Path, name: str) -> Snapshot | InvalidStore:
+    """decode() for the store ``name`` in ``directory``."""
     if len(data) < L.STORE_SIZE:
-        return InvalidStore(path, f"too small ({len(data)} bytes, a store is {L.STORE_SIZE})")
-    v = L.STORE_STRUCT.unpack_from(data)
+        return InvalidStore(directory / name, f"too small ({len(data)} bytes, a store is {L.STORE_SIZE})")
+    v = L.PREFIX_STRUCT.unpack_from(data)
+    magic = v[L.IDX_MAGIC]
+    if magic != L.MAGIC or v[L.IDX_VERSION] != L.SCHEMA_VERSION or v[L.IDX_SLOT_COUNT] != L.SLOT_COUNT:
+        return _invalid_header(v, directory / name)
+    pid_slice, ident_slice = _IDENTITY_SLICES
+    key = data[pid_slice] + data[ident_slice]
+    ident = _identities.get(key)
+    if ident is None:
+        nb = v[L.IDX_BUCKET_COUNT]
+        if nb > L.MAX_BUCKETS:
+            return InvalidStore(directory / name, f"bucket count {nb}, at most {L.MAX_BUCKETS}")
+        bounds = v[L.IDX_BOUNDS:L.IDX_BOUNDS + nb]
+        # Strictly increasing from above 0 to below +Inf, so every bound is
+        # positive and finite; NaN fails every comparison.
+        if nb and not (0.0 < bounds[0] and bounds[-1] < math.inf and all(map(operator.lt, bounds, bounds[1:]))):
+            return InvalidStore(directory / name, "bucket bounds are not strictly increasing positive finite numbers")
+        ident = (_text(v[L.IDX_AGENT_NAME]), _text(v[L.IDX_HOSTNAME]), _text(v[L.IDX_LOCAL_RANK]), bounds)
+        if len(_identities) >= _IDENTITY_CACHE_SIZE:
+            _identities.clear()
+        _identities[key] = ident
+    agent_name, hostname, local_rank, bounds = ident
+    words = array("Q", data[:L.STORE_SIZE] if len(data) > L.STORE_SIZE else data)
+    return Snapshot(directory, name, v[L.IDX_PID], v[L.IDX_LAST_UPDATE], v[L.IDX_AGENT_INSTANCE], agent_name,
+                    hostname, local_rank, bounds, words, key)
+
+
+def _invalid_header(v: tuple[Any, ...], path: Path) -> InvalidStore:
     magic = v[L.IDX_MAGIC]
     if magic == 0:
         return InvalidStore(path, "magic is 0 (never initialised)")
@@ -138,30 +230,7 @@ def decode(data: bytes, path: Path) -> Snapshot | InvalidStore:
         return InvalidStore(path, f"bad magic {magic:#018x}")
     if v[L.IDX_VERSION] != L.SCHEMA_VERSION:
         return InvalidStore(path, f"schema version {v[L.IDX_VERSION]}, expected {L.SCHEMA_VERSION}")
-    if v[L.IDX_SLOT_COUNT] != L.SLOT_COUNT:
-        return InvalidStore(path, f"slot count {v[L.IDX_SLOT_COUNT]}, expected {L.SLOT_COUNT}")
-    nb = v[L.IDX_BUCKET_COUNT]
-    if nb > L.MAX_BUCKETS:
-        return InvalidStore(path, f"bucket count {nb}, at most {L.MAX_BUCKETS}")
-    bounds = v[L.IDX_BOUNDS:L.IDX_BOUNDS + nb]
-    if not all(math.isfinite(b) and b > 0 for b in bounds) or any(
-            a >= b for a, b in itertools.pairwise(bounds)):
-        return InvalidStore(path, "bucket bounds are not strictly increasing positive finite numbers")
-    return Snapshot(
-        path=path,
-        pid=v[L.IDX_PID],
-        last_update_ns=v[L.IDX_LAST_UPDATE],
-        instance=v[L.IDX_AGENT_INSTANCE],
-        agent_name=_text(v[L.IDX_AGENT_NAME]),
-        hostname=_text(v[L.IDX_HOSTNAME]),
-        local_rank=_text(v[L.IDX_LOCAL_RANK]),
-        bounds=bounds,
-        counters=v[L.IDX_COUNTERS:L.IDX_GAUGES],
-        gauges=v[L.IDX_GAUGES:L.IDX_BUCKETS],
-        buckets=v[L.IDX_BUCKETS:L.IDX_SUMS],
-        sums=v[L.IDX_SUMS:],
-        identity_key=data[L.PID_FIELD[0]:L.LAST_UPDATE_FIELD[0]] + data[L.AGENT_INSTANCE_FIELD[0]:L.COUNTERS_FIELD[0]],
-    )
+    return InvalidStore(path, f"slot count {v[L.IDX_SLOT_COUNT]}, expected {L.SLOT_COUNT}")
 
 
 def _text(field: bytes) -> str:

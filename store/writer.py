@@ -8,7 +8,10 @@ store it *can* lock has no writer left.
 
 The hot path is one closure per event type with every slot offset bound at
 creation: one lock acquisition, a handful of aligned 8-byte stores through a
-``memoryview`` cast to ``Q``, no allocation beyond Python's own ints.
+``memoryview`` cast to ``Q``, no allocation beyond Python's own ints.  One
+completed transfer (NIXL's four events) has a fused closure of its own that
+validates every value first, then applies all four events under one lock
+acquisition with one heartbeat.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import errno
 import fcntl
 import functools
 import logging
+import math
 import mmap
 import os
 import threading
@@ -49,6 +53,12 @@ USE_O_TMPFILE: bool = hasattr(os, "O_TMPFILE")
 _TMPFILE_UNSUPPORTED: Final = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL})
 
 Recorder = Callable[[int], int]
+# (xfer_time_us, post_time_us, nbytes) -> the heartbeat stamped
+TransferRecorder = Callable[[int, int, int], int]
+_TRANSFER_EVENTS: Final = {
+    True: (EventType.AGENT_TX_BYTES, EventType.AGENT_TX_REQUESTS_NUM),
+    False: (EventType.AGENT_RX_BYTES, EventType.AGENT_RX_REQUESTS_NUM),
+}
 
 
 def event_value(value: object) -> int:
@@ -125,6 +135,8 @@ class StoreWriter:
         # The recorders dict is mutated in place (fork, close) so callers may
         # keep a reference to it and skip one attribute lookup per event.
         self.recorders: dict[int, Recorder] = {}
+        # The same for one whole transfer, keyed by is_write (True: TX, False: RX).
+        self.transfer_recorders: dict[bool, TransferRecorder] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._create()
@@ -214,15 +226,29 @@ class StoreWriter:
 
     def _bind_recorders(self) -> None:
         words, lock, now = self._words, self._lock, time.monotonic_ns
-        bounds = self.identity.bounds
+        # Values are ints, so "value <= bound" equals "value <= floor(bound)";
+        # bisecting int bounds is twice as fast as comparing ints to floats.
+        bounds = tuple(math.floor(b) for b in self.identity.bounds)
         live = [True]  # cleared under the lock by close(); see _unmap
         self._live = live
         mask, hb = U64_MAX, _W_LAST_UPDATE
+        enabled = self._enabled
 
+        # Under the lock there is no call at all: the clock is read before it
+        # is taken, and ``with`` calls the lock's __enter__ from C.  CPython
+        # only switches threads at calls and loop jumps, so a thread is never
+        # descheduled while it holds the lock, and threads recording at once
+        # never queue on it (a lock convoy costs several times the update).
+        # The heartbeat is the instant the event was taken; a thread switch
+        # between the two may leave it a few ms behind another thread's.
+        #
+        # A histogram event's counter and sum both accumulate the value, mod
+        # 2**64, under this one lock, in a store only this process writes: they
+        # are always equal, so the sum is the counter's new value.
         def make(ev: EventType) -> Recorder:
             c, g, s = _W_COUNTERS + ev, _W_GAUGES + ev, _W_SUMS + ev
             base = _W_BUCKETS + ev * L.BUCKET_SLOTS
-            if ev not in self._enabled:
+            if ev not in enabled:
                 def record(value: int) -> int:
                     if type(value) is not int or not 0 <= value <= mask:
                         event_value(value)
@@ -232,39 +258,89 @@ class StoreWriter:
                     if type(value) is not int or not 0 <= value <= mask:
                         value = event_value(value)
                     b = base + bisect_left(bounds, value)
+                    t = now()
                     with lock:
                         if live[0]:
-                            words[c] = (words[c] + value) & mask
+                            words[c] = words[s] = (words[c] + value) & mask
                             words[g] = value
                             words[b] = (words[b] + 1) & mask
-                            words[s] = (words[s] + value) & mask
-                            words[hb] = t = now()
-                            return t
-                    return now()
+                            words[hb] = t
+                    return t
             elif ev in GAUGE_EVENTS:
                 def record(value: int) -> int:
                     if type(value) is not int or not 0 <= value <= mask:
                         value = event_value(value)
+                    t = now()
                     with lock:
                         if live[0]:
                             words[c] = (words[c] + value) & mask
                             words[g] = value
-                            words[hb] = t = now()
-                            return t
-                    return now()
+                            words[hb] = t
+                    return t
             else:
                 def record(value: int) -> int:
                     if type(value) is not int or not 0 <= value <= mask:
                         value = event_value(value)
+                    t = now()
                     with lock:
                         if live[0]:
                             words[c] = (words[c] + value) & mask
-                            words[hb] = t = now()
-                            return t
-                    return now()
+                            words[hb] = t
+                    return t
             return record
 
-        self.recorders.update({int(ev): make(ev) for ev in EventType})
+        recorders = {int(ev): make(ev) for ev in EventType}
+        xt, pt = EventType.AGENT_XFER_TIME, EventType.AGENT_XFER_POST_TIME
+
+        def make_transfer(is_write: bool) -> TransferRecorder:
+            bytes_ev, requests_ev = _TRANSFER_EVENTS[is_write]
+            if not {bytes_ev, requests_ev, xt, pt} <= enabled:
+                # Some of the four are filtered out: apply each through its own
+                # recorder (a disabled one records nothing), after validating all.
+                rec_bytes, rec_requests = recorders[bytes_ev], recorders[requests_ev]
+                rec_post, rec_xfer = recorders[pt], recorders[xt]
+
+                def partial_transfer(xfer: int, post: int, nbytes: int) -> int:
+                    for value in (xfer, post, nbytes):
+                        if type(value) is not int or not 0 <= value <= mask:
+                            event_value(value)
+                    rec_bytes(nbytes)
+                    rec_requests(1)
+                    rec_post(post)
+                    return rec_xfer(xfer)
+                return partial_transfer
+
+            bc, bg, rc = _W_COUNTERS + bytes_ev, _W_GAUGES + bytes_ev, _W_COUNTERS + requests_ev
+            xc, xg, xs, xb = _W_COUNTERS + xt, _W_GAUGES + xt, _W_SUMS + xt, _W_BUCKETS + xt * L.BUCKET_SLOTS
+            pc, pg, ps, pb = _W_COUNTERS + pt, _W_GAUGES + pt, _W_SUMS + pt, _W_BUCKETS + pt * L.BUCKET_SLOTS
+
+            def transfer(xfer: int, post: int, nbytes: int) -> int:
+                if type(xfer) is not int or not 0 <= xfer <= mask:
+                    xfer = event_value(xfer)
+                if type(post) is not int or not 0 <= post <= mask:
+                    post = event_value(post)
+                if type(nbytes) is not int or not 0 <= nbytes <= mask:
+                    nbytes = event_value(nbytes)
+                b_post = pb + bisect_left(bounds, post)
+                b_xfer = xb + bisect_left(bounds, xfer)
+                t = now()
+                with lock:
+                    if live[0]:
+                        words[bc] = (words[bc] + nbytes) & mask
+                        words[bg] = nbytes
+                        words[rc] = (words[rc] + 1) & mask
+                        words[pc] = words[ps] = (words[pc] + post) & mask
+                        words[pg] = post
+                        words[b_post] = (words[b_post] + 1) & mask
+                        words[xc] = words[xs] = (words[xc] + xfer) & mask
+                        words[xg] = xfer
+                        words[b_xfer] = (words[b_xfer] + 1) & mask
+                        words[hb] = t
+                return t
+            return transfer
+
+        self.recorders.update(recorders)
+        self.transfer_recorders.update({True: make_transfer(True), False: make_transfer(False)})
 
     def record(self, event: int, value: int) -> int:
         """Apply one event (counter, gauge, histogram per the descriptor).
@@ -280,11 +356,20 @@ class StoreWriter:
             raise
         return recorder(value)
 
+    def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> int:
+        """One completed transfer: bytes, one request, post time, transfer time.
+
+        TX_BYTES and TX_REQUESTS_NUM for a write, RX_* otherwise.  Every value
+        is validated before anything is written; returns the heartbeat stamp.
+        """
+        return self.transfer_recorders[True if is_write else False](xfer_time_us, post_time_us, nbytes)
+
     def heartbeat(self) -> None:
         """Mark the store as updated now, without recording an event."""
+        stamp = time.monotonic_ns()  # before the lock: no call under it (see _bind_recorders)
         with self._lock:
             if self._live[0]:
-                self._words[_W_LAST_UPDATE] = time.monotonic_ns()
+                self._words[_W_LAST_UPDATE] = stamp
 
     # -- life cycle -------------------------------------------------------
 
@@ -301,6 +386,8 @@ class StoreWriter:
             self._live[0] = False
             for ev in EventType:
                 self.recorders[int(ev)] = _closed_recorder
+            for is_write in (True, False):
+                self.transfer_recorders[is_write] = _closed_transfer_recorder
             if self._fd >= 0:  # -1 in a forked child that has not written yet
                 self._unmap()
                 os.close(self._fd)  # the last reference: this is what releases the flock
@@ -333,16 +420,30 @@ class StoreWriter:
         self._fd = -1  # close() must not close a number the child may have reused
         for ev in EventType:
             self.recorders[int(ev)] = functools.partial(self._respawn, int(ev))
+        for is_write in (True, False):
+            self.transfer_recorders[is_write] = functools.partial(self._respawn_transfer, is_write)
 
-    def _respawn(self, ev: int, value: int) -> int:
+    def _respawn_if_forked(self) -> None:
         with self._lock:
             if self.pid != os.getpid() and not self._closed:
                 self._create()
+
+    def _respawn(self, ev: int, value: int) -> int:
+        self._respawn_if_forked()
         return self.recorders[ev](value)
+
+    def _respawn_transfer(self, is_write: bool, xfer_time_us: int, post_time_us: int, nbytes: int) -> int:
+        self._respawn_if_forked()
+        return self.transfer_recorders[is_write](xfer_time_us, post_time_us, nbytes)
 
 
 def _closed_recorder(value: int) -> int:
     log.warning("an event was exported after its Exporter was closed; it was dropped")
+    return time.monotonic_ns()
+
+
+def _closed_transfer_recorder(xfer_time_us: int, post_time_us: int, nbytes: int) -> int:
+    log.warning("a transfer was recorded after its Exporter was closed; it was dropped")
     return time.monotonic_ns()
 
 

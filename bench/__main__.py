@@ -1,0 +1,240 @@
+"""``python -m bench``: ours vs prometheus_client's multiprocess mode, side by side, one run.
+
+Prints a markdown report (stdout) ready for the README; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench import scenarios
+from bench.common import fmt_ratio, log, machine, median, ratio, table
+from bench.scenarios import Results, Settings
+
+SCENARIOS = ("record", "threads", "scrape", "takeover", "memory")
+FLAT_LIMIT = 1.5
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument("--ranks", default=None, help="rank counts for the scrape (default 8,64,256,1024)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 8 and 64 ranks, few repeats (seconds)")
+    parser.add_argument("--repeats", type=int, default=None, help="override every scenario's repeat count")
+    parser.add_argument("--transfers", type=int, default=None,
+                        help="transfers per recording repeat and thread (a multiple of 1000; default 10000)")
+    parser.add_argument("--threads", type=int, default=4, help="threads for the concurrent recording (default 4)")
+    parser.add_argument("--tmp", default=None, help="where to create the store directories (default: $TMPDIR)")
+    parser.add_argument("--json", default=None, help="also write the raw measurements to this file")
+    parser.add_argument("--markdown", default=None, help="also write the report to this file")
+    return parser.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    ranks = [8, 64] if args.quick else [8, 64, 256, 1024]
+    if args.ranks:
+        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+    s = Settings(ranks=ranks, threads=args.threads, tmp=args.tmp)
+    if args.quick:
+        s.record_repeats, s.record_transfers, s.scrape_repeats, s.inproc_repeats, s.takeover_repeats = 5, 4000, 3, 3, 3
+    if args.repeats is not None:
+        s.record_repeats = s.scrape_repeats = s.inproc_repeats = s.takeover_repeats = max(1, args.repeats)
+    if args.transfers is not None:
+        s.record_transfers = max(1000, args.transfers // 1000 * 1000)
+    return s
+
+
+def _ns(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.1f}" if ms >= 100 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f}"
+
+
+def _record_section(results: Results, settings: Settings, threads: int) -> list[str]:
+    data = results.record if threads == 1 else results.threads
+    if not data:
+        return []
+    ref = median(data["prometheus_client mp"])
+    rows = []
+    for name in ("ours: 4 x export_event", "ours: record_transfer"):
+        ours = median(data[name])
+        rows.append([name.removeprefix("ours: "), _ns(ours), _ns(ref), fmt_ratio(ratio(ref, ours))])
+    title = ("Recording one NIXL transfer" if threads == 1
+             else f"Recording with {threads} threads at once (one exporter / one process, wall time / transfers)")
+    n = len(data["prometheus_client mp"])
+    return [f"**{title}** (ns per transfer, median of {n} interleaved runs of "
+            f"{settings.record_transfers:,} transfers{' per thread' if threads > 1 else ''})", "",
+            table(["ours", "ours ns", "prometheus_client mp ns (4 inc, 3 set, 2 observe)", "ratio"], rows), ""]
+
+
+def _per_rank(entry: dict[str, Any], key: str, count: int) -> float:
+    return median(entry[key]) / count
+
+
+def _scrape_section(results: Results) -> list[str]:
+    if not results.scrape:
+        return []
+    out: list[str] = []
+    for mode, title in (("http", "Scrape over HTTP: one GET /metrics on a fresh connection, body read to the "
+                                 "end, both apps under the same threaded werkzeug server (ours: MetricsApp; "
+                                 "reference: make_wsgi_app over MultiProcessCollector)"),
+                        ("inproc", "Scrape in-process: Collector.collect + Renderer.render vs "
+                                   "MultiProcessCollector.collect + generate_latest")):
+        rows = []
+        for count, entry in sorted(results.scrape.items()):
+            if not entry[f"{mode}_ours"]:
+                continue
+            ours, ref = median(entry[f"{mode}_ours"]), median(entry[f"{mode}_ref"])
+            rows.append([str(count), _ms(ours), _us(ours / count), _ms(ref), _us(ref / count),
+                         fmt_ratio(ratio(ref, ours)), f"{entry['samples_ours']:,} / {entry['samples_ref']:,}",
+                         f"{entry['bytes_ours']:,} / {entry['bytes_ref']:,}"])
+        if rows:
+            out += [f"**{title}** (median)", "",
+                    table(["ranks", "ours ms", "ours µs/rank", "reference ms", "reference µs/rank", "ratio",
+                           "samples ours / ref", "bytes ours / ref"], rows), ""]
+    return out
+
+
+def _takeover_section(results: Results, settings: Settings) -> list[str]:
+    if not results.takeover and not results.takeover_failures:
+        return []
+    t = sorted(results.takeover)
+    row = [f"{len(t)} (+{results.takeover_failures} failed)" if results.takeover_failures else str(len(t)),
+           _ms(median(t)) if t else "-", _ms(t[0]) if t else "-", _ms(t[-1]) if t else "-"]
+    return [f"**Takeover**: the owner is SIGKILLed while a writer exports {settings.takeover_rate:g} events/s; "
+            "time from the kill to the first 200 on /metrics (polled every ms)", "",
+            table(["repetitions", "median ms", "min ms", "max ms"], [row]), ""]
+
+
+def _memory_section(results: Results) -> list[str]:
+    m = results.memory
+    if not m:
+        return []
+    rows = [
+        ["files per rank", "1", f"{m['ref_files_per_rank']:g}"],
+        ["bytes per rank (st_size)", f"{m['ours_size_per_rank']:,.0f}", f"{m['ref_size_per_rank']:,.0f}"],
+        ["bytes per rank on disk (st_blocks x 512)", f"{m['ours_blocks_per_rank']:,.0f}",
+         f"{m['ref_blocks_per_rank']:,.0f}"],
+        [f"serving process RSS after a scrape of {m['ranks']} ranks (idle before)",
+         f"{m['ours_rss_kib'] / 1024:,.1f} MiB ({m['ours_rss_idle_kib'] / 1024:,.1f})",
+         f"{m['ref_rss_kib'] / 1024:,.1f} MiB ({m['ref_rss_idle_kib'] / 1024:,.1f})"],
+        ["serving process peak RSS (VmHWM)", f"{m['ours_hwm_kib'] / 1024:,.1f} MiB",
+         f"{m['ref_hwm_kib'] / 1024:,.1f} MiB"],
+    ]
+    return [f"**Memory** (store directory on {results.fs})", "", table(["", "ours", "prometheus_client mp"], rows),
+            ""]
+
+
+def _targets(results: Results) -> list[list[str]]:
+    rows = []
+    if results.record:
+        ref = median(results.record["prometheus_client mp"])
+        for name in ("ours: 4 x export_event", "ours: record_transfer"):
+            r = ratio(ref, median(results.record[name]))
+            rows.append([f"recording a transfer >= 8x cheaper ({name.removeprefix('ours: ')})", fmt_ratio(r),
+                         "met" if r >= 8 else "NOT met"])
+    if 64 in results.scrape:
+        entry = results.scrape[64]
+        for mode, label in (("http", "over HTTP"), ("inproc", "in-process")):
+            if entry[f"{mode}_ours"]:
+                r = ratio(median(entry[f"{mode}_ref"]), median(entry[f"{mode}_ours"]))
+                rows.append([f"scrape of 64 ranks >= 5x cheaper ({label})", fmt_ratio(r),
+                             "met" if r >= 5 else "NOT met"])
+    counts = sorted(results.scrape)
+    if len(counts) >= 2:
+        for mode, label in (("inproc", "in-process, max/min over the sizes"),
+                            ("http", f"over HTTP, {counts[-1]} ranks vs {counts[0]}")):
+            per = {c: _per_rank(results.scrape[c], f"{mode}_ours", c) for c in counts
+                   if results.scrape[c][f"{mode}_ours"]}
+            if len(per) < 2:
+                continue
+            spread = max(per.values()) / min(per.values()) if mode == "inproc" else per[counts[-1]] / per[counts[0]]
+            rows.append([f"per-rank scrape cost flat within {FLAT_LIMIT}x ({label})", f"{spread:.2f}x",
+                         "met" if spread <= FLAT_LIMIT else "NOT met"])
+    if results.takeover or results.takeover_failures:
+        worst = max(results.takeover) if results.takeover else float("inf")
+        med = median(results.takeover) if results.takeover else float("inf")
+        ok = med < 0.5 and not results.takeover_failures
+        rows.append(["takeover < 0.5 s (median; max in brackets)", f"{med * 1e3:.0f} ms ({worst * 1e3:.0f} ms)",
+                     ("met" if ok else "NOT met") + ("" if worst < 0.5 else ", max over")])
+    return rows
+
+
+def report(results: Results, settings: Settings, info: dict[str, str], command: str, elapsed: float) -> str:
+    lines = [
+        f"Measured {info['date']} with `{command}` ({elapsed:.0f} s) on {info['nproc']} cores "
+        f"({info['cpu']}), {info['implementation']} {info['python']}, Linux {info['kernel']}, "
+        f"prometheus_client {info['prometheus_client']}, werkzeug {info['werkzeug']}. The machine was shared "
+        f"with other jobs (load average at start {info['load_at_start']}): every figure is a median, ours and "
+        "the reference interleaved in the same run, each in its own process.",
+        "",
+    ]
+    lines += _record_section(results, settings, 1)
+    lines += _record_section(results, settings, settings.threads)
+    lines += _scrape_section(results)
+    lines += _takeover_section(results, settings)
+    lines += _memory_section(results)
+    targets = _targets(results)
+    if targets:
+        lines += ["**Targets** (DESIGN.md)", "", table(["target", "measured", ""], targets), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        print(f"unknown scenario(s): {', '.join(sorted(unknown))} (choose from {', '.join(SCENARIOS)})",
+              file=sys.stderr)
+        return 2
+    settings = _settings(args)
+    info = machine()
+    command = "python -m bench" + ("" if not argv else " " + shlex.join(argv))
+    results = Results()
+    start = time.monotonic()
+    if "record" in chosen:
+        scenarios.record(settings, results, threads=1)
+    if "threads" in chosen:
+        scenarios.record(settings, results, threads=settings.threads)
+    if "scrape" in chosen:
+        scenarios.scrape(settings, results)
+    elif "memory" in chosen:
+        settings.ranks = [max(settings.ranks)]
+        settings.scrape_repeats = settings.inproc_repeats = 1
+        scenarios.scrape(settings, results, with_http=False)
+    if "takeover" in chosen:
+        scenarios.takeover(settings, results)
+    if "memory" not in chosen:
+        results.memory = {}
+    elapsed = time.monotonic() - start
+    text = report(results, settings, info, command, elapsed)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "command": command, "settings": asdict(settings),
+                                               "results": asdict(results)}, indent=1) + "\n")
+    log(f"done in {elapsed:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

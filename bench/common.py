@@ -1,0 +1,196 @@
+"""Helpers shared by the scenarios: workers, statistics, the machine, HTTP."""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Variables that would switch a worker into the other implementation's mode.
+_FOREIGN_ENV = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir", "NIXL_TELEMETRY_MULTIPROC_DIR",
+                "NIXL_TELEMETRY_PROMETHEUS_PORT", "NIXL_TELEMETRY_PROMETHEUS_LOCAL", "NIXL_TELEMETRY_ENABLED_METRICS",
+                "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", "LOCAL_RANK", "NIXL_TELEMETRY_RANK_ENV")
+
+
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A clean environment for a worker: the project importable, neither mode pre-selected."""
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Worker:
+    """A ``python -m bench.worker KIND`` subprocess answering JSON-line commands."""
+
+    def __init__(self, kind: str, env: Mapping[str, str] | None = None, *args: str) -> None:
+        self.kind = kind
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.worker", kind, *args], cwd=ROOT, env=worker_env(env),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.hello = self._read()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(timeout=30)
+            raise RuntimeError(f"worker {self.kind} exited ({code}) without answering")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"worker {self.kind}: {reply['error']}")
+        return reply
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def median(values: Iterable[float]) -> float:
+    data = list(values)
+    return statistics.median(data) if data else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_get(port: int, path: str = "/metrics", timeout: float = 120.0) -> tuple[int, bytes]:
+    """One GET on a fresh connection, body read to the end."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def timed_get(port: int) -> tuple[float, bytes]:
+    """Seconds for one GET /metrics (connect, request, the whole body), and the body."""
+    start = time.perf_counter()
+    status, body = http_get(port)
+    elapsed = time.perf_counter() - start
+    if status != 200:
+        raise RuntimeError(f"GET /metrics on port {port} answered {status}")
+    return elapsed, body
+
+
+def sample_lines(body: bytes) -> int:
+    return sum(1 for line in body.split(b"\n") if line and not line.startswith(b"#"))
+
+
+def read_status_kib(pid: int | str, field: str) -> int:
+    """A ``VmRSS``-like field of /proc/<pid>/status, in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (longest mount-point match in /proc/mounts)."""
+    best, kind = "", "?"
+    target = str(path.resolve())
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                parts = line.split()
+                point = parts[1]
+                if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, kind = point, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def machine() -> dict[str, str]:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    versions = {}
+    for dist in ("prometheus_client", "werkzeug"):
+        try:
+            from importlib.metadata import version
+
+            versions[dist] = version(dist)
+        except Exception:  # pragma: no cover - reporting only
+            versions[dist] = "?"
+    try:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "?"
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": model,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "kernel": platform.release(),
+        "prometheus_client": versions["prometheus_client"],
+        "werkzeug": versions["werkzeug"],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_at_start": load,
+    }
+
+
+def ratio(reference: float, ours: float) -> float:
+    return reference / ours if ours > 0 else float("inf")
+
+
+def fmt_ratio(value: float) -> str:
+    return f"{value:.1f}x"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def log(message: str) -> None:
+    """Progress on stderr, so stdout stays the report."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

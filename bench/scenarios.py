@@ -1,0 +1,219 @@
+"""The scenarios: each runs ours and the reference side by side, interleaved, and returns raw results."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    Worker,
+    filesystem_of,
+    free_port,
+    http_get,
+    log,
+    read_status_kib,
+    sample_lines,
+    timed_get,
+)
+
+
+@dataclass
+class Settings:
+    ranks: list[int]
+    record_repeats: int = 15
+    record_transfers: int = 10_000  # per repeat, per thread (a multiple of 1000)
+    threads: int = 4
+    scrape_repeats: int = 9
+    inproc_repeats: int = 9
+    takeover_repeats: int = 9
+    takeover_rate: float = 10.0
+    tmp: str | None = None
+
+
+@dataclass
+class Results:
+    record: dict[str, list[float]] = field(default_factory=dict)
+    threads: dict[str, list[float]] = field(default_factory=dict)
+    scrape: dict[int, dict[str, Any]] = field(default_factory=dict)
+    takeover: list[float] = field(default_factory=list)
+    takeover_failures: int = 0
+    memory: dict[str, Any] = field(default_factory=dict)
+    fs: str = "?"
+
+
+@contextlib.contextmanager
+def _tempdir(settings: Settings, tag: str) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix=f"nixl-bench-{tag}-", dir=settings.tmp))
+    os.chmod(path, 0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _ours_env(directory: Path, port: int) -> dict[str, str]:
+    return {"NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+            "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "LOCAL_RANK": "0"}
+
+
+# -- a. and b. ----------------------------------------------------------------------------------------------
+
+def record(settings: Settings, results: Results, threads: int) -> None:
+    """Per-transfer ns: our four export_event calls, our record_transfer, prometheus_client's nine updates."""
+    target = results.record if threads == 1 else results.threads
+    n = settings.record_transfers
+    with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-ref") as ref_dir:
+        with Worker("record-ours", _ours_env(ours_dir, free_port())) as ours, \
+                Worker("record-ref", {"PROMETHEUS_MULTIPROC_DIR": str(ref_dir)}) as ref:
+            log(f"record x{threads} thread(s): ours pid {ours.pid} (serving={ours.hello['serving']}), "
+                f"reference pid {ref.pid} ({ref.hello['value_class']})")
+            plan = [("ours: 4 x export_event", ours, "events"), ("ours: record_transfer", ours, "transfer"),
+                    ("prometheus_client mp", ref, "updates")]
+            for _, worker, mode in plan:  # warm-up: first-touch of every page, caches, specialisation
+                worker.call("run", mode=mode, n=min(n, 2000), threads=threads)
+            for rep in range(settings.record_repeats):
+                order = plan if rep % 2 == 0 else plan[::-1]
+                for name, worker, mode in order:
+                    reply = worker.call("run", mode=mode, n=n, threads=threads)
+                    target.setdefault(name, []).append(reply["ns_per_transfer"])
+
+
+# -- c. and e. ----------------------------------------------------------------------------------------------
+
+def _dir_usage(files: list[str]) -> tuple[int, int]:
+    size = blocks = 0
+    for name in files:
+        st = os.stat(name)
+        size += st.st_size
+        blocks += st.st_blocks * 512
+    return size, blocks
+
+
+def scrape(settings: Settings, results: Results, with_http: bool = True) -> None:
+    """HTTP GET /metrics and in-process collect+render, ours vs MultiProcessCollector, per rank count."""
+    largest = max(settings.ranks)
+    for count in settings.ranks:
+        with _tempdir(settings, f"scrape-ours-{count}") as ours_dir, \
+                _tempdir(settings, f"scrape-ref-{count}") as ref_dir:
+            results.fs = filesystem_of(ours_dir)
+            log(f"scrape {count} ranks: filling both directories")
+            ref_env = {"PROMETHEUS_MULTIPROC_DIR": str(ref_dir)}
+            with Worker("fill-ours", None, str(count), str(ours_dir)) as fill_ours, \
+                    Worker("fill-ref", ref_env, str(count), str(ref_dir)) as fill_ref:
+                ours_files = fill_ours.call("files")["files"]
+                ref_files = fill_ref.call("files")["files"]
+                fill_ref.close()  # its files stay: the reference's readers need no live writer
+                with Worker("serve-ours", None, str(ours_dir)) as srv_ours, \
+                        Worker("serve-ref", ref_env, str(ref_dir)) as srv_ref:
+                    entry = _scrape_one(settings, count, srv_ours, srv_ref, with_http)
+                    entry["ours_files"], entry["ref_files"] = len(ours_files), len(ref_files)
+                    results.scrape[count] = entry
+                    if count == largest:
+                        results.memory = _memory(count, ours_files, ref_files, srv_ours, srv_ref)
+
+
+def _scrape_one(settings: Settings, count: int, srv_ours: Worker, srv_ref: Worker, with_http: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"http_ours": [], "http_ref": [], "inproc_ours": [], "inproc_ref": []}
+    ours_port, ref_port = srv_ours.hello["port"], srv_ref.hello["port"]
+    # Warm-up (and the sizes): both bodies once.
+    _, body_ours = timed_get(ours_port)
+    _, body_ref = timed_get(ref_port)
+    entry.update(bytes_ours=len(body_ours), bytes_ref=len(body_ref), samples_ours=sample_lines(body_ours),
+                 samples_ref=sample_lines(body_ref))
+    # The reference costs ~1000x more at 1024 ranks: fewer repeats there keep the run bounded.
+    repeats = settings.scrape_repeats if count <= 256 else max(3, settings.scrape_repeats // 2)
+    log(f"scrape {count} ranks: {repeats} interleaved GETs each ({len(body_ours)} vs {len(body_ref)} bytes)")
+    if with_http:
+        for rep in range(repeats):
+            pair = [("http_ours", ours_port), ("http_ref", ref_port)]
+            for key, port in pair if rep % 2 == 0 else pair[::-1]:
+                entry[key].append(timed_get(port)[0])
+    # In-process: batches of back-to-back calls (the first of each batch dropped: it pays for the caches
+    # the pause before it cooled), ours and the reference's batches alternating.
+    for rep in range(repeats if count > 256 else settings.inproc_repeats):
+        pair = [("inproc_ours", srv_ours), ("inproc_ref", srv_ref)]
+        for key, worker in pair if rep % 2 == 0 else pair[::-1]:
+            entry[key] += worker.call("inproc", k=4 if count > 256 else 6)["seconds"][1:]
+    return entry
+
+
+def _memory(count: int, ours_files: list[str], ref_files: list[str], srv_ours: Worker,
+            srv_ref: Worker) -> dict[str, Any]:
+    timed_get(srv_ours.hello["port"])  # "after a scrape"
+    timed_get(srv_ref.hello["port"])
+    ours_size, ours_blocks = _dir_usage(ours_files)
+    ref_size, ref_blocks = _dir_usage(ref_files)
+    return {
+        "ranks": count,
+        "ours_size_per_rank": ours_size / count, "ours_blocks_per_rank": ours_blocks / count,
+        "ref_size_per_rank": ref_size / count, "ref_blocks_per_rank": ref_blocks / count,
+        "ref_files_per_rank": len(ref_files) / count,
+        "ours_rss_idle_kib": srv_ours.hello["VmRSS"], "ref_rss_idle_kib": srv_ref.hello["VmRSS"],
+        "ours_rss_kib": read_status_kib(srv_ours.pid, "VmRSS"), "ref_rss_kib": read_status_kib(srv_ref.pid, "VmRSS"),
+        "ours_hwm_kib": read_status_kib(srv_ours.pid, "VmHWM"), "ref_hwm_kib": read_status_kib(srv_ref.pid, "VmHWM"),
+    }
+
+
+# -- d. -----------------------------------------------------------------------------------------------------
+
+def _wait_serving(port: int, deadline_s: float) -> float | None:
+    """Poll GET /metrics until it answers 200; seconds waited, or None past the deadline."""
+    start = time.perf_counter()
+    while True:
+        try:
+            status, _ = http_get(port, timeout=0.25)
+            if status == 200:
+                return time.perf_counter() - start
+        except OSError:
+            pass
+        if time.perf_counter() - start > deadline_s:
+            return None
+        time.sleep(0.001)
+
+
+def takeover(settings: Settings, results: Results) -> None:
+    """SIGKILL the owner; seconds until a writer exporting ``rate`` events/s serves /metrics."""
+    rng = random.Random(7)
+    for rep in range(settings.takeover_repeats):
+        with _tempdir(settings, "takeover") as directory:
+            env = _ours_env(directory, free_port())
+            port = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])
+            owner = Worker("rank", env, str(settings.takeover_rate))
+            writer = None
+            try:
+                if not owner.hello["serving"]:
+                    raise RuntimeError("the first rank did not win the election")
+                writer = Worker("rank", env, str(settings.takeover_rate))
+                if writer.hello["serving"]:
+                    raise RuntimeError("the second rank serves too")
+                if _wait_serving(port, 10) is None:
+                    raise RuntimeError("the owner never served")
+                # Kill at a random phase of the writer's export/claim cycle.
+                time.sleep(0.5 + rng.random() * 0.5)
+                os.kill(owner.pid, signal.SIGKILL)
+                waited = _wait_serving(port, 10)
+                owner.proc.wait()
+                if waited is None:
+                    results.takeover_failures += 1
+                    log(f"takeover {rep + 1}: no owner within 10 s")
+                else:
+                    results.takeover.append(waited)
+                    log(f"takeover {rep + 1}/{settings.takeover_repeats}: {waited * 1e3:.0f} ms "
+                        f"(writer serving: {writer.call('status')['serving']})")
+            finally:
+                for worker in (writer, owner):
+                    if worker is not None and worker.proc.poll() is None:
+                        worker.proc.kill()
+                    if worker is not None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            worker.proc.wait(timeout=10)

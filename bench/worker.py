@@ -1,0 +1,319 @@
+"""Worker processes: ``python -m bench.worker KIND [ARGS]``.
+
+Each prints one JSON line when ready, then answers one JSON line per JSON
+command read from stdin, until stdin closes.  The reference's workers get
+PROMETHEUS_MULTIPROC_DIR in their environment from the start, so
+prometheus_client picks its multiprocess value class at import, as in a real
+multiprocess deployment; ours never import it for recording.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.workload import rank_history, reference_rank, transfers
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(line.split()[1])
+    return out
+
+
+def _run_threads(count: int, body: Callable[[], None]) -> float:
+    """Wall seconds for ``count`` threads running ``body`` at once, released together."""
+    barrier = threading.Barrier(count + 1)
+
+    def run() -> None:
+        barrier.wait()
+        body()
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
+# -- a. and b.: recording ------------------------------------------------------------------------------------
+
+_WORKLOAD = transfers(seed=42, count=1000)
+
+
+def record_ours() -> tuple[dict[str, Any], Handler]:
+    from app import Exporter
+    from store import EventType as E
+
+    exp = Exporter("bench-rank")
+    export_event, record_transfer = exp.export_event, exp.record_transfer
+    post_ev, xfer_ev, bytes_ev, req_ev = (E.AGENT_XFER_POST_TIME, E.AGENT_XFER_TIME, E.AGENT_TX_BYTES,
+                                          E.AGENT_TX_REQUESTS_NUM)
+
+    def events(n: int) -> None:
+        work = _WORKLOAD
+        for _ in range(n // len(work)):
+            for xfer, post, nbytes, _w in work:
+                export_event(post_ev, post)
+                export_event(xfer_ev, xfer)
+                export_event(bytes_ev, nbytes)
+                export_event(req_ev, 1)
+
+    def transfer(n: int) -> None:
+        work = _WORKLOAD
+        for _ in range(n // len(work)):
+            for xfer, post, nbytes, is_write in work:
+                record_transfer(xfer, post, nbytes, is_write)
+
+    return {"serving": exp.serving, "store": str(exp.store_path)}, _record_handler({"events": events,
+                                                                                  "transfer": transfer})
+
+
+def record_ref() -> tuple[dict[str, Any], Handler]:
+    from prometheus_client import values
+
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        raise RuntimeError("prometheus_client is not in multiprocess mode (PROMETHEUS_MULTIPROC_DIR unset?)")
+    rank = reference_rank(socket.gethostname(), "bench-rank", os.getpid(), 0, "0")
+    tx_c, rx_c = rank.counters[0], rank.counters[1]
+    txr_c, rxr_c = rank.counters[2], rank.counters[3]
+    tx_g, rx_g = rank.gauges[0], rank.gauges[1]
+    xfer_c, post_c = rank.counters[6], rank.counters[7]
+    xfer_g, post_g = rank.gauges[6], rank.gauges[7]
+    xfer_h, post_h = rank.histograms[6], rank.histograms[7]
+
+    def updates(n: int) -> None:
+        # The same nine updates per transfer, every child pre-bound, inline in the loop.
+        work = _WORKLOAD
+        for _ in range(n // len(work)):
+            for xfer, post, nbytes, is_write in work:
+                if is_write:
+                    tx_c.inc(nbytes)
+                    tx_g.set(nbytes)
+                    txr_c.inc(1)
+                else:
+                    rx_c.inc(nbytes)
+                    rx_g.set(nbytes)
+                    rxr_c.inc(1)
+                post_c.inc(post)
+                post_g.set(post)
+                post_h.observe(post)
+                xfer_c.inc(xfer)
+                xfer_g.set(xfer)
+                xfer_h.observe(xfer)
+
+    return {"value_class": values.ValueClass.__name__}, _record_handler({"updates": updates})
+
+
+def _record_handler(modes: dict[str, Callable[[int], None]]) -> Handler:
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        body = modes[cmd["mode"]]
+        n = int(cmd["n"])
+        threads = int(cmd.get("threads", 1))
+        if threads == 1:
+            start = time.perf_counter()
+            body(n)
+            elapsed = time.perf_counter() - start
+        else:
+            elapsed = _run_threads(threads, lambda: body(n))
+        return {"ns_per_transfer": elapsed * 1e9 / (n * threads)}
+
+    return handle
+
+
+# -- c. and e.: directories of ranks, and their servers -------------------------------------------------------
+
+def fill_ours(count: int, directory: str) -> tuple[dict[str, Any], Handler]:
+    """``count`` live stores, each locked by this process for as long as it runs."""
+    from store import DEFAULT_BUCKETS_US, StoreIdentity, StoreWriter
+
+    _raise_fd_limit()
+    hostname = socket.gethostname()
+    writers = []
+    for i in range(count):
+        writer = StoreWriter(directory, StoreIdentity(f"rank-{i}", hostname, str(i % 8), i, DEFAULT_BUCKETS_US))
+        history, extras = rank_history(i)
+        for xfer, post, nbytes, is_write in history:
+            writer.record_transfer(xfer, post, nbytes, is_write)
+        for event, value in extras:
+            writer.record(event, value)
+        writers.append(writer)
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"files": [str(w.path) for w in writers]}
+
+    return {"ranks": count, "pid": os.getpid()}, handle
+
+
+def fill_ref(count: int, directory: str) -> tuple[dict[str, Any], Handler]:
+    """``count`` processes' prometheus_client files, written by prometheus_client itself.
+
+    Each simulated process gets its own multiprocess value class with its own
+    pid (prometheus_client's documented process_identifier hook), so the
+    files are byte for byte what ``count`` processes would have written.
+    """
+    from prometheus_client import values
+
+    hostname = socket.gethostname()
+    for i in range(count):
+        pid = 100_000 + i
+        values.ValueClass = values.MultiProcessValue(process_identifier=lambda pid=pid: pid)
+        rank = reference_rank(hostname, f"rank-{i}", pid, 0, str(i % 8))
+        record = rank.transfer_recorder()
+        history, extras = rank_history(i)
+        for xfer, post, nbytes, is_write in history:
+            record(xfer, post, nbytes, is_write)
+        for event, value in extras:
+            rank.extra(event, value)
+        values.ValueClass.close_all_files()  # type: ignore[attr-defined]
+    files = sorted(str(p) for p in Path(directory).glob("*.db"))
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"files": files}
+
+    return {"ranks": count, "files": len(files)}, handle
+
+
+def _serve(app: Any) -> tuple[int, Any]:
+    from app.endpoint import bind_listener, serve_in_thread
+
+    sock = bind_listener("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server, _thread = serve_in_thread(sock, app, "bench-server")
+    return port, server
+
+
+def serve_ours(directory: str) -> tuple[dict[str, Any], Handler]:
+    """Our WSGI app over the directory, under the endpoint's werkzeug server."""
+    from app.collector import Collector
+    from app.exposition import Renderer
+    from app.web import MetricsApp
+
+    _raise_fd_limit()
+    collector = Collector(directory, 30.0)
+    app = MetricsApp(collector, lambda: {"pid": os.getpid(), "mode": "bench"})
+    port, _server = _serve(app)
+    renderer = Renderer()
+
+    def inproc() -> int:
+        return len(renderer.render(collector.collect().published))
+
+    return {"port": port, "pid": os.getpid(), **_status()}, _serve_handler(inproc)
+
+
+def serve_ref(directory: str) -> tuple[dict[str, Any], Handler]:
+    """prometheus_client's make_wsgi_app over MultiProcessCollector, under the same werkzeug server."""
+    from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    _raise_fd_limit()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)
+    port, _server = _serve(make_wsgi_app(registry))
+
+    def inproc() -> int:
+        return len(generate_latest(registry))
+
+    return {"port": port, "pid": os.getpid(), **_status()}, _serve_handler(inproc)
+
+
+def _serve_handler(inproc: Callable[[], int]) -> Handler:
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "inproc":
+            times, size = [], 0
+            for _ in range(int(cmd.get("k", 1))):  # back to back: the warm, per-scrape CPU cost
+                start = time.perf_counter()
+                size = inproc()
+                times.append(time.perf_counter() - start)
+            return {"seconds": times, "bytes": size}
+        if cmd["op"] == "status":
+            gc.collect()
+            return _status()
+        raise ValueError(f"unknown op {cmd['op']!r}")
+
+    return handle
+
+
+# -- d.: a rank for the takeover ---------------------------------------------------------------------------
+
+def rank(rate: float) -> tuple[dict[str, Any], Handler]:
+    """An Exporter exporting ``rate`` events per second from a background thread until killed."""
+    from app import Exporter
+    from store import EventType
+
+    exp = Exporter(f"takeover-{os.getpid()}")
+    interval = 1.0 / rate
+
+    def loop() -> None:
+        due = time.monotonic()
+        while True:
+            exp.export_event(EventType.AGENT_TX_BYTES, 4096)
+            due += interval
+            time.sleep(max(0.0, due - time.monotonic()))
+
+    threading.Thread(target=loop, daemon=True).start()
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"serving": exp.serving}
+
+    return {"serving": exp.serving, "pid": os.getpid()}, handle
+
+
+KINDS: dict[str, Callable[..., tuple[dict[str, Any], Handler]]] = {
+    "record-ours": record_ours,
+    "record-ref": record_ref,
+    "fill-ours": lambda n, d: fill_ours(int(n), d),
+    "fill-ref": lambda n, d: fill_ref(int(n), d),
+    "serve-ours": serve_ours,
+    "serve-ref": serve_ref,
+    "rank": lambda rate: rank(float(rate)),
+}
+
+
+def main(argv: list[str]) -> int:
+    out = sys.stdout
+    try:
+        hello, handle = KINDS[argv[0]](*argv[1:])
+    except Exception:
+        out.write(json.dumps({"error": traceback.format_exc()}) + "\n")
+        out.flush()
+        return 1
+    out.write(json.dumps(hello) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        try:
+            reply = handle(json.loads(line))
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
