@@ -34,6 +34,7 @@ from typing import Final
 
 from store import layout as L
 from store.metrics import GAUGE_EVENTS, HISTOGRAM_EVENTS, EventType
+from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.store")
 
@@ -115,6 +116,7 @@ class StoreIdentity:
 
 _run_marker: int = time.time_ns()  # CLOCK_REALTIME ns, fixed for the life of the process
 _writers: weakref.WeakSet[StoreWriter] = weakref.WeakSet()
+_closed_warner = OnceWarner(log)
 
 
 class StoreWriter:
@@ -385,9 +387,9 @@ class StoreWriter:
             self._closed = True
             self._live[0] = False
             for ev in EventType:
-                self.recorders[int(ev)] = _closed_recorder
+                self.recorders[int(ev)] = functools.partial(_dropped_after_close, self.path)
             for is_write in (True, False):
-                self.transfer_recorders[is_write] = _closed_transfer_recorder
+                self.transfer_recorders[is_write] = functools.partial(_dropped_after_close, self.path)
             if self._fd >= 0:  # -1 in a forked child that has not written yet
                 self._unmap()
                 os.close(self._fd)  # the last reference: this is what releases the flock
@@ -437,13 +439,11 @@ class StoreWriter:
         return self.transfer_recorders[is_write](xfer_time_us, post_time_us, nbytes)
 
 
-def _closed_recorder(value: int) -> int:
-    log.warning("an event was exported after its Exporter was closed; it was dropped")
-    return time.monotonic_ns()
-
-
-def _closed_transfer_recorder(xfer_time_us: int, post_time_us: int, nbytes: int) -> int:
-    log.warning("a transfer was recorded after its Exporter was closed; it was dropped")
+def _dropped_after_close(path: Path, *values: int) -> int:
+    # Once per store: a loop that keeps exporting after close() must not
+    # turn into one warning per event.
+    _closed_warner.warn(path, "events were exported after the Exporter of %s was closed; they are dropped "
+                        "(close the Exporter only once the agent stops recording)", path.name)
     return time.monotonic_ns()
 
 

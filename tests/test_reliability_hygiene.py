@@ -4,7 +4,6 @@ idempotent, safe from several threads at once, and leaves nothing running, bound
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 import threading
@@ -12,6 +11,7 @@ import time
 
 import pytest
 from support import can_bind, exporter_env, free_port, http_request, metrics_url, wait_until
+from support_reliability import lock_is_free
 
 from app import Exporter
 from election import lock_file_name
@@ -29,18 +29,6 @@ def settled(fds: int, threads: int) -> None:
     wait_until(lambda: fd_count() <= fds and threading.active_count() <= threads, timeout=10,
                message=f"descriptors back to {fds} (now {fd_count()}) and threads to {threads} "
                        f"(now {threading.active_count()}: {[t.name for t in threading.enumerate()]})")
-
-
-def lock_is_free(path) -> bool:
-    """Whether a new open file description can take the flock (what another rank would do)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 def scrape_ok(port: int) -> bool:

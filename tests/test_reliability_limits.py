@@ -25,6 +25,7 @@ from support import (
     start_rank,
     try_scrape,
 )
+from support_reliability import lock_is_free
 
 import election.lock
 import store.writer
@@ -51,17 +52,6 @@ FORKING_RANK = textwrap.dedent("""
           flush=True)
     sys.stdin.read()
 """)
-
-
-def lock_is_free(path) -> bool:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 @pytest.mark.timeout(60)

@@ -413,8 +413,8 @@ def test_writes_after_close_dropped_with_warning(make_writer, caplog):
         writer.heartbeat()
     assert isinstance(stamp, int)
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
-    assert len(warnings) == 2
-    assert all("closed" in r.getMessage() and "dropped" in r.getMessage() for r in warnings)
+    assert len(warnings) == 1  # once per store, however many events follow
+    assert "closed" in warnings[0].getMessage() and "dropped" in warnings[0].getMessage()
     assert writer.path.read_bytes() == contents
     assert snap(writer.path).counters[E.AGENT_TX_BYTES] == 5
 
