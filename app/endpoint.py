@@ -9,7 +9,6 @@ frees, whichever rank wins next takes the address over.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import importlib.metadata
 import logging
@@ -22,7 +21,7 @@ from typing import Any
 
 from werkzeug.serving import BaseWSGIServer, ThreadedWSGIServer, WSGIRequestHandler
 
-from app.web import MetricsApp
+from app.web import MetricsApp, owner_doc
 from election import Outcome, OwnerElection
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -261,17 +260,8 @@ class ScrapeEndpoint:
                 self.address, cause, self.election.directory, BACKOFF_NS // 1_000_000_000)
 
     def owner_info(self, agent_name: str | None, mode: str) -> dict[str, Any]:
-        since = self.serving_since
-        return {
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "agent_name": agent_name,
-            "address": self.address,
-            "mode": mode,
-            "election": "bind-fallback" if self.election.problem else "flock",
-            "serving_since": None if since is None else datetime.datetime.fromtimestamp(
-                since, datetime.timezone.utc).isoformat(),
-        }
+        return owner_doc(pid=os.getpid(), agent_name=agent_name, address=self.address, mode=mode,
+                         flock=not self.election.problem, since=self.serving_since)
 
     def close(self) -> None:
         """Stop serving and free the port, THEN release the election.

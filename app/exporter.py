@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, held_addresses_except
 from store import EventType, StoreIdentity, StoreWriter
 from store.metrics import ERROR_EVENTS, error_status
+from store.warnonce import OnceWarner
 from store.writer import event_type
 
 log = logging.getLogger("nixl_prometheus_mp")
@@ -49,20 +51,45 @@ def _next_instance() -> int:
         return next(_instances)
 
 
-def duplicate_owner_warnings(directory: Path, address: str) -> list[WarningDoc]:
-    """/healthz and log text for other live owners of the same directory."""
-    others = held_addresses_except(directory, address)
-    if not others:
-        return []
-    message = (f"{directory} is also served on {', '.join(others)}: every such address exports every rank, so a "
-               "Prometheus scraping more than one sees each series twice. Give every rank the same "
-               "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
-    return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [address, *others]}}]
+class OwnerWatch:
+    """Other live owners of the directory, each warned about once.
+
+    Checked when an Exporter starts, then at most every WATCH_INTERVAL_NS from
+    the owner's scrapes and the writers' re-elections: the rank that elected
+    first also learns of a second owner that appeared after it.
+    """
+
+    WATCH_INTERVAL_NS = 10_000_000_000
+
+    def __init__(self, directory: Path, address: str) -> None:
+        self.directory, self.address = directory, address
+        self._warner = OnceWarner(log)
+        self._next_ns = 0
+
+    def check(self) -> list[WarningDoc]:
+        """The duplicate-owners warning for /healthz (logged once per other address)."""
+        others = held_addresses_except(self.directory, self.address)
+        if not others:
+            return []
+        message = (f"{self.directory} is also served on {', '.join(others)}: every such address exports every "
+                   "rank, so a Prometheus scraping more than one sees each series twice. Give every rank the same "
+                   "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
+        for other in others:
+            self._warner.warn(other, "%s", message)
+        return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [self.address, *others]}}]
+
+    def poll(self) -> None:
+        """check(), at most once per WATCH_INTERVAL_NS."""
+        now = time.monotonic_ns()
+        if now >= self._next_ns:
+            self._next_ns = now + self.WATCH_INTERVAL_NS
+            self.check()
 
 
-def health_warnings(directory: Path, election: OwnerElection) -> list[WarningDoc]:
+def health_warnings(owners: OwnerWatch, election: OwnerElection) -> list[WarningDoc]:
     """The run-level problems /healthz reports besides the collector's."""
-    warnings = duplicate_owner_warnings(directory, election.address)
+    directory = owners.directory
+    warnings = owners.check()
     if election.problem:
         warnings.append({"kind": "unusable-lock", "message": election.problem,
                          "details": {"lock_file": str(election.path)}})
@@ -102,13 +129,13 @@ class Exporter:
     def _start_endpoint(self, config: Config, agent_name: str) -> None:
         """Run the election (serving if won) and report other live owners."""
         election = OwnerElection(config.directory, config.address)
+        self._owners = owners = OwnerWatch(config.directory, config.address)
         collector = Collector(config.directory, config.stale_ttl_s)
         app = MetricsApp(collector, lambda: self._endpoint.owner_info(agent_name, "in-process"),
-                         lambda: health_warnings(config.directory, election))
+                         lambda: health_warnings(owners, election), on_scrape=owners.poll)
         self._endpoint = ScrapeEndpoint(election, config.host, config.port, app)
         self._next_claim_ns = self._endpoint.claim()
-        for warning in duplicate_owner_warnings(config.directory, config.address):
-            log.warning("%s", warning["message"])
+        owners.poll()
 
     # -- properties -----------------------------------------------------
 
@@ -144,6 +171,7 @@ class Exporter:
     def _reclaim(self) -> None:
         if not self._closed:
             self._next_claim_ns = self._endpoint.claim()
+            self._owners.poll()
 
     def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
         """The four events NIXL records for one completed transfer.

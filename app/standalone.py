@@ -11,11 +11,9 @@ reader only probes, and reaping re-checks under an exclusive lock.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,8 +21,8 @@ from typing import Any
 from app.collector import Collector
 from app.config import DIR_ENV, Config, ConfigError, prepare_directory
 from app.endpoint import RETRY_NS
-from app.exporter import health_warnings
-from app.web import MetricsApp
+from app.exporter import OwnerWatch, health_warnings
+from app.web import MetricsApp, owner_doc
 from election import Outcome, OwnerElection
 
 try:
@@ -125,22 +123,15 @@ def _die_with(master_pid: int | None) -> None:
 
 
 def _owner_info(config: Config) -> dict[str, Any]:
-    since = _master.since
-    return {
-        "pid": _master.pid if _master.pid is not None else os.getpid(),
-        "hostname": socket.gethostname(),
-        "agent_name": None,
-        "address": config.address,
-        "mode": "standalone",
-        "election": "flock" if _master.election is not None and not _master.election.problem else "bind-fallback",
-        "serving_since": None if since is None else datetime.datetime.fromtimestamp(
-            since, datetime.timezone.utc).isoformat(),
-    }
+    election = _master.election
+    return owner_doc(pid=_master.pid if _master.pid is not None else os.getpid(), agent_name=None,
+                     address=config.address, mode="standalone", flock=election is not None and not election.problem,
+                     since=_master.since)
 
 
-def _warnings(config: Config) -> list[dict[str, Any]]:
+def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
     election = _master.election or OwnerElection(config.directory, config.address)
-    warnings = health_warnings(config.directory, election)
+    warnings = health_warnings(owners, election)
     if _master.election is None:
         warnings.append({"kind": "unusable-lock", "message": (
             "this aggregator holds no owner election (gunicorn was started without the project's "
@@ -150,8 +141,9 @@ def _warnings(config: Config) -> list[dict[str, Any]]:
 
 
 def build_app(config: Config) -> MetricsApp:
+    owners = OwnerWatch(config.directory, config.address)
     return MetricsApp(Collector(config.directory, config.stale_ttl_s), lambda: _owner_info(config),
-                      lambda: _warnings(config))
+                      lambda: _warnings(config, owners), on_scrape=owners.poll)
 
 
 def standalone_app() -> MetricsApp:

@@ -9,9 +9,11 @@ prometheus_client endpoint would send it.
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,13 +54,30 @@ def _rank_json(view: RankView) -> dict[str, Any]:
     return out
 
 
+def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, flock: bool,
+              since: float | None) -> dict[str, Any]:
+    """/healthz's ``owner``: who serves this address, how it was elected, since when."""
+    return {
+        "pid": pid,
+        "hostname": socket.gethostname(),
+        "agent_name": agent_name,
+        "address": address,
+        "mode": mode,
+        "election": "flock" if flock else "bind-fallback",
+        "serving_since": None if since is None else datetime.datetime.fromtimestamp(
+            since, datetime.timezone.utc).isoformat(),
+    }
+
+
 class MetricsApp:
     """A WSGI application serving one directory of stores."""
 
-    def __init__(self, collector: Collector, owner: OwnerInfo, extra_warnings: ExtraWarnings | None = None) -> None:
+    def __init__(self, collector: Collector, owner: OwnerInfo, extra_warnings: ExtraWarnings | None = None,
+                 on_scrape: Callable[[], None] | None = None) -> None:
         self.collector = collector
         self._owner = owner
         self._extra_warnings = extra_warnings or (lambda: [])
+        self._on_scrape = on_scrape or (lambda: None)  # e.g. the owner's periodic duplicate-owner check
         self._renderer = Renderer()
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -73,6 +92,7 @@ class MetricsApp:
     def metrics(self, request: Request) -> Response:
         _, content_type = choose_encoder(request.headers.get("Accept", ""))
         openmetrics = content_type.startswith("application/openmetrics-text")
+        self._on_scrape()
         body = self._renderer.render(self.collector.collect().published, openmetrics)
         headers = {"Content-Type": content_type}
         if gzip_accepted(request.headers.get("Accept-Encoding", "")):

@@ -344,7 +344,10 @@ EXPORTER_RANK_SCRIPT = textwrap.dedent("""
     logging.basicConfig(level=getattr(logging, os.environ.get("RANK_LOG_LEVEL", "WARNING")), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     from app import Exporter
+    from app.exporter import OwnerWatch
 
+    if "RANK_OWNER_WATCH_NS" in os.environ:  # how often the duplicate-owner check may run (default 10 s)
+        OwnerWatch.WATCH_INTERVAL_NS = int(os.environ["RANK_OWNER_WATCH_NS"])
     exp = Exporter(os.environ.get("RANK_AGENT", "agent"))
 
     def status(**extra):

@@ -270,6 +270,21 @@ def test_ranks_on_two_ports_both_serve_and_report_each_other(tmp_dir: Path, reap
         assert other in dups[0]["message"]
 
 
+def test_first_owner_learns_of_a_later_second_owner(tmp_dir: Path, reaper) -> None:
+    """The rank that elected first warns too, once a second owner appears (checked from its scrapes)."""
+    port_a, port_b = free_port(), free_port()
+    a = start_exporter_rank(reaper, tmp_dir, port_a, agent="a", extra_env={"RANK_OWNER_WATCH_NS": "0"})
+    assert a.serving_at_start and a.stderr() == ""  # alone so far: nothing to say
+    b = start_exporter_rank(reaper, tmp_dir, port_b, agent="b")
+    assert b.serving_at_start
+    scrape(port_a)  # the owner's periodic check runs from its scrapes
+    addr_b = f"127.0.0.1:{port_b}"
+    wait_until(lambda: any(line.startswith("WARNING") and addr_b in line for line in a.stderr().splitlines()),
+               message=f"the first owner warning about {addr_b}")
+    scrape(port_a)
+    assert sum(addr_b in line for line in a.stderr().splitlines()) == 1  # once per other address
+
+
 def test_leftover_lock_file_is_not_a_second_owner(tmp_dir: Path, reaper) -> None:
     port, old_port = free_port(), free_port()
     leftover = tmp_dir / lock_file_name(f"127.0.0.1:{old_port}")
