@@ -151,7 +151,11 @@ def probe_alive(fd: int) -> bool:
 
 def read_fd(fd: int, path: Path) -> Snapshot | InvalidStore | Unreadable:
     """Read and validate a store from an open descriptor, with one copy."""
-    return read_fd_in(fd, _directory_of(path), path.name)
+    try:
+        data = os.pread(fd, L.STORE_SIZE, 0)
+    except OSError as exc:
+        return Unreadable(path, os.strerror(exc.errno or 0))
+    return decode(data, path)
 
 
 _directories: dict[str, Path] = {}
@@ -168,20 +172,6 @@ def _directory_of(path: Path) -> Path:
     return directory
 
 
-def read_fd_in(fd: int, directory: Path, name: str) -> Snapshot | InvalidStore | Unreadable:
-    """read_fd for the store ``name`` in ``directory``: one pread, the header unpacked, the words as one array."""
-    try:
-        data = os.pread(fd, L.STORE_SIZE, 0)
-    except OSError as exc:
-        return Unreadable(directory / name, os.strerror(exc.errno or 0))
-    return decode_in(data, directory, name)
-
-
-def decode(data: bytes, path: Path) -> Snapshot | InvalidStore:
-    """Validate and decode a store's bytes (at least its first STORE_SIZE)."""
-    return decode_in(data, _directory_of(path), path.name)
-
-
 # What a store's identity bytes (pid, instance, bucket count, names, bounds)
 # decode to, once validated: they never change for a store, and decoding and
 # validating them is most of decode()'s work.  Bounded: a directory churning
@@ -192,8 +182,9 @@ _IDENTITY_SLICES = (slice(L.PID_FIELD[0], L.LAST_UPDATE_FIELD[0]),
                     slice(L.AGENT_INSTANCE_FIELD[0], L.COUNTERS_FIELD[0]))
 
 
-def decode_in(data: bytes, directory: Path, name: str) -> Snapshot | InvalidStore:
-    """decode() for the store ``name`` in ``directory``."""
+def decode(data: bytes, path: Path) -> Snapshot | InvalidStore:
+    """Validate and decode a store's bytes (at least its first STORE_SIZE)."""
+    directory, name = _directory_of(path), path.name
     if len(data) < L.STORE_SIZE:
         return InvalidStore(directory / name, f"too small ({len(data)} bytes, a store is {L.STORE_SIZE})")
     v = L.PREFIX_STRUCT.unpack_from(data)
