@@ -151,7 +151,7 @@ def _inspect_rows(directory: Path) -> list[dict[str, Any]]:
     except OSError as exc:
         raise CliError(f"cannot list {directory}: {os.strerror(exc.errno or 0)}") from None
     now = time.monotonic_ns()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names:
         path = directory / name
         fd = open_store(path)
@@ -185,7 +185,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     columns = ("agent_name", "pid", "agent_instance", "local_rank", "state", "age_s", "tx_bytes", "rx_bytes",
                "requests", "errors")
-    table = [("AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)", "TX BYTES", "RX BYTES", "REQUESTS", "ERRORS")]
+    table: list[tuple[str, ...]] = [
+        ("AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)", "TX BYTES", "RX BYTES", "REQUESTS", "ERRORS")]
     for row in rows:
         if "problem" in row:
             table.append((row["store"], "-", "-", "-", "invalid", "-", "-", "-", "-", row["problem"]))

@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 from operator import itemgetter
+from typing import Any
 
 from prometheus_client.exposition import generate_latest as generate_text
 from prometheus_client.metrics_core import Metric
@@ -234,7 +235,7 @@ class Renderer:
             if fam.kind == "histogram":
                 first, total_at = W_BUCKETS + slot * BUCKET_SLOTS, W_SUMS + slot
                 for words, nb, small, lines in zip(words_of, buckets_of, smalls, lines_of, strict=True):
-                    cumulative = list(accumulate(words[first:first + nb]))
+                    cumulative: list[Any] = list(accumulate(words[first:first + nb]))  # then formatted
                     total = cumulative[-1]
                     cumulative.append(total)
                     value = words[total_at]

@@ -30,7 +30,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from store import layout as L
 from store.metrics import GAUGE_EVENTS, HISTOGRAM_EVENTS, EventType
@@ -76,7 +76,7 @@ def event_value(value: object) -> int:
     return number
 
 
-def event_type(value: object) -> EventType:
+def event_type(value: Any) -> EventType:
     """Validate an event type, naming the bad value."""
     try:
         return EventType(value)

@@ -1,4 +1,4 @@
-"""The code base stays ruff-clean (the project's lint configuration in pyproject.toml)."""
+"""The code base stays ruff- and mypy-clean (their configuration is in pyproject.toml)."""
 
 import subprocess
 import sys
@@ -10,6 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_clean() -> None:
     result = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_clean() -> None:
+    """The library packages type-check (the configuration in pyproject.toml)."""
+    result = subprocess.run([sys.executable, "-m", "mypy", "store", "election", "app"], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
