@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.collector import Collector
-from app.config import DIR_ENV, Config, ConfigError, prepare_directory
+from app.config import Config, ConfigError, prepare_directory
 from app.endpoint import RETRY_NS
 from app.exporter import OwnerWatch, health_warnings
 from app.web import MetricsApp, owner_doc
@@ -51,14 +51,6 @@ _master = _MasterState()
 _app: MetricsApp | None = None
 
 
-def standalone_config(environ: Mapping[str, str] | None = None) -> Config:
-    env = os.environ if environ is None else environ
-    if not env.get(DIR_ENV, "").strip():
-        raise ConfigError(f"{DIR_ENV} is required: the aggregator serves the stores of the ranks that share it "
-                          "(set it to the same directory as the ranks, e.g. /run/nixl_metrics)")
-    return Config.from_env(env)
-
-
 def prepare_standalone(environ: Mapping[str, str] | None = None) -> Config:
     """The aggregator's configuration, with the directory created 0700 if missing.
 
@@ -66,27 +58,24 @@ def prepare_standalone(environ: Mapping[str, str] | None = None) -> Config:
     sidecar usually starts first): without it, the lock file could not be
     opened and the election would fall back to the bind.
     """
-    config = standalone_config(environ)
+    config = Config.from_env(environ)
     for problem in prepare_directory(config.directory):
         log.warning("%s", problem)
     return config
 
 
-def hold_election(config: Config, stop_after_s: float | None = None) -> Outcome:
+def hold_election(config: Config) -> Outcome:
     """Block until this process owns ``config.address`` (or the lock is unusable).
 
     While a rank serves the address in-process, the aggregator waits rather
     than fight it for the port.
     """
     election = OwnerElection(config.directory, config.address)
-    deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
     waiting_logged = False
     while (outcome := election.try_win()) is Outcome.LOST:
         if not waiting_logged:
             waiting_logged = True
             log.warning("a rank already serves %s in-process; the aggregator waits for the address", config.address)
-        if deadline is not None and time.monotonic() > deadline:
-            return outcome
         time.sleep(RETRY_NS / 1e9)
     _master.election, _master.pid, _master.since = election, os.getpid(), time.time()
     return outcome
@@ -151,7 +140,7 @@ def standalone_app() -> MetricsApp:
     global _app
     if _app is None:
         try:
-            config = standalone_config()
+            config = Config.from_env()
         except ConfigError as exc:
             raise AggregatorConfigError(str(exc)) from None
         _app = build_app(config)
