@@ -212,9 +212,9 @@ class ScrapeEndpoint:
     def serving(self) -> bool:
         return self._server is not None
 
-    def claim(self) -> int:
+    def claim(self, now_ns: int | None = None) -> int:
         """Run the election (and bind if won); returns when to try again (ns)."""
-        now_ns = time.monotonic_ns()
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if not self._lock.acquire(blocking=False):
             return now_ns + RETRY_NS  # another thread of ours is claiming right now
         try:
