@@ -30,9 +30,13 @@ EXPORTER_ENV = "NIXL_TELEMETRY_EXPORTER"
 
 DEFAULT_PORT = 9090
 DEFAULT_TTL_S = 30.0
+DEFAULT_RANK_ENV = "LOCAL_RANK"
 EXPORTER_NAME = "prometheus_mp"
-_TRUE = frozenset({"y", "yes", "on", "true", "1"})
-_FALSE = frozenset({"", "n", "no", "off", "false", "0"})
+# NIXL's own boolean words (configTraits<bool>), matched the way it matches them: whole value, any case, no
+# trimming. An empty or padded value is refused, as the C++ plug-in refuses it, so one environment never makes
+# C++ ranks fail while Python ranks start.
+_TRUE = frozenset({"y", "yes", "on", "1", "true", "enable"})
+_FALSE = frozenset({"n", "no", "off", "0", "false", "disable"})
 
 
 class ConfigError(ValueError):
@@ -40,12 +44,16 @@ class ConfigError(ValueError):
 
 
 def parse_flag(name: str, text: str | None) -> bool:
-    word = (text or "").strip().lower()
+    """False when the variable is unset; otherwise one of NIXL's yes/no words, in any case."""
+    if text is None:
+        return False
+    word = text.lower()
     if word in _TRUE:
         return True
     if word in _FALSE:
         return False
-    raise ConfigError(f"{name}={text!r} is not a yes/no word (use one of y, yes, on, true, 1 or n, no, off, false, 0)")
+    raise ConfigError(f"{name}={text!r} is not a yes/no word (use one of y, yes, on, 1, true, enable or "
+                      "n, no, off, 0, false, disable, in any case)")
 
 
 def _port(text: str | None) -> int:
@@ -94,7 +102,7 @@ class Config:
     directory: Path
     port: int = DEFAULT_PORT
     local: bool = False
-    rank_env: str = "LOCAL_RANK"
+    rank_env: str = DEFAULT_RANK_ENV
     local_rank: str = ""
     stale_ttl_s: float = DEFAULT_TTL_S
     buckets: tuple[float, ...] = ()
@@ -116,7 +124,8 @@ class Config:
         if not directory.strip():
             raise ConfigError(f"{DIR_ENV} is required: set it to a directory shared by every rank of the run "
                               "(for example /run/nixl_metrics)")
-        rank_env = env.get(RANK_ENV_ENV, "").strip() or "LOCAL_RANK"
+        # Set but empty means "no local_rank label", as in the plug-in; only an unset variable defaults.
+        rank_env = env.get(RANK_ENV_ENV, DEFAULT_RANK_ENV)
         try:
             buckets = parse_buckets(env.get("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US"))
         except ValueError as exc:
@@ -126,7 +135,7 @@ class Config:
             port=_port(env.get(PORT_ENV)),
             local=parse_flag(LOCAL_ENV, env.get(LOCAL_ENV)),
             rank_env=rank_env,
-            local_rank=env.get(rank_env, ""),
+            local_rank=env.get(rank_env, "") if rank_env else "",
             stale_ttl_s=_ttl(env.get(TTL_ENV)),
             buckets=buckets,
             enabled=_enabled(env.get(ENABLED_ENV)),
