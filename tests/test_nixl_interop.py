@@ -1,0 +1,357 @@
+"""Interoperability with the real NIXL C++ plug-in (``prometheus_mp`` from the ``nixl-cu12`` wheel).
+
+C++ ranks (real agents doing real UCX transfers, recorded by the plug-in), Python ranks (``Exporter``) and the
+gunicorn aggregator share one directory and one address: whoever owns the address publishes every rank with
+the values the plug-in recorded, ownership moves both ways without a counter going backwards, both owners
+publish the same samples, and one environment means the same thing to both implementations.
+
+Skipped, saying why, without the wheel; ``NIXL_INTEROP_REQUIRED=1`` (CI) turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import socket
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import support_e2e
+from prometheus_client.parser import text_string_to_metric_families
+from support import (
+    Reaper,
+    SeriesKey,
+    free_port,
+    healthz,
+    listening_socket,
+    parse_exposition,
+    reaper_fixture,  # noqa: F401  (pytest fixture)
+    scrape,
+    start_exporter_rank,
+    wait_until,
+)
+from support_nixl import (
+    STALE_TTL_S,
+    CppEnvProbe,
+    CppRank,
+    Totals,
+    listens,
+    nixl_required_fixture,  # noqa: F401  (pytest fixture)
+    parse_raw,
+    samples_of,
+    start_aggregator,
+    start_cpp_ranks,
+    wait_for_owner,
+)
+
+from app.config import ConfigError
+from app.exporter import create_exporter
+from election import lock_file_name
+from store import EventType, read_snapshot
+
+pytestmark = pytest.mark.usefixtures("nixl_required")
+
+PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
+# The Python rank's events, and what they must show as (one agent, by sample name).
+PY_EVENTS = [(EventType.AGENT_TX_BYTES, 777), (EventType.AGENT_TX_REQUESTS_NUM, 1), (EventType.AGENT_XFER_TIME, 40),
+             (EventType.AGENT_XFER_TIME, 4000), (EventType.AGENT_ERR_BACKEND, 1)]
+PY_EXPECTED = {"agent_tx_bytes_total": 777.0, "agent_tx_requests_num_total": 1.0, "agent_xfer_time_total": 4040.0,
+               "agent_xfer_time": 4000.0, "agent_xfer_time_us_count": 2.0, "agent_xfer_time_us_sum": 4040.0,
+               "agent_errors_total{status=backend}": 1.0}
+# The families prometheus-cpp's Exposer adds about itself (scrape counts, bytes served, latency): they describe
+# the serving process, not a rank, so our owner does not publish them (docs/cpp-interop.md).
+EXPOSER_FAMILIES = {"exposer_transferred_bytes_total", "exposer_scrapes_total", "exposer_request_latencies"}
+COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
+
+
+# -- checks -----------------------------------------------------------------------------------------------------
+
+
+def cpp_mismatches(samples: Mapping[SeriesKey, float], totals: Totals) -> list[str]:
+    """How the published series of a C++ rank differ from what the plug-in recorded for its transfers."""
+    problems = []
+    for (agent, name), value in totals.expected().items():
+        got = samples_of(samples, totals.pid, agent).get(name)
+        if got != value:
+            problems.append(f"pid {totals.pid} {agent} {name}: published {got}, recorded {value}")
+    for agent in totals.agents:
+        got = samples_of(samples, totals.pid, agent)
+        for histogram in ("agent_xfer_time_us", "agent_xfer_post_time_us"):
+            buckets = sorted((float(k.split("{le=")[1][:-1]), v) for k, v in got.items()
+                             if k.startswith(histogram + "_bucket"))
+            if not buckets or buckets[-1] != (math.inf, got[histogram + "_count"]) or any(
+                    a[1] > b[1] for a, b in itertools.pairwise(buckets)):
+                problems.append(f"{agent} {histogram}: buckets {buckets} vs count {got.get(histogram + '_count')}")
+            if got.get(histogram + "_sum") != got.get(histogram.removesuffix("_us") + "_total"):
+                problems.append(f"{agent} {histogram}_sum differs from its _total counter")
+    return problems
+
+
+def assert_cpp_rank(samples: Mapping[SeriesKey, float], totals: Totals) -> None:
+    """Every value the plug-in recorded for the rank's transfers is published exactly."""
+    problems = cpp_mismatches(samples, totals)
+    assert not problems, problems
+
+
+def published(port: int, *ranks: Totals) -> dict[SeriesKey, float]:
+    """The scrape once it shows every rank's transfers (bounded wait): the plug-in stages events and writes
+    its store every 100 ms (NIXL_TELEMETRY_RUN_INTERVAL), so a transfer that just completed may not be in it."""
+    def current() -> dict[SeriesKey, float] | None:
+        samples = parse_exposition(scrape(port))
+        return samples if not any(cpp_mismatches(samples, totals) for totals in ranks) else None
+
+    return wait_until(current, message=f"port {port} to publish {ranks}")
+
+
+def assert_python_rank(samples: Mapping[SeriesKey, float], pid: int, agent: str) -> None:
+    got = samples_of(samples, pid, agent)
+    assert {k: got.get(k) for k in PY_EXPECTED} == PY_EXPECTED
+
+
+def assert_not_backwards(before: Mapping[SeriesKey, float], after: Mapping[SeriesKey, float],
+                         active: set[int]) -> None:
+    """Across an ownership change: every series is still there, no counter went down, and the series of
+    processes that did nothing meanwhile (everyone but ``active``) kept their exact values."""
+    problems = []
+    for key, old in before.items():
+        name, labels = key
+        if name.split("_")[0] == "exposer":
+            continue
+        new = after.get(key)
+        if new is None:
+            problems.append(f"{key} vanished")
+        elif name.endswith(COUNTER_SUFFIXES) and new < old:
+            problems.append(f"{key} went backwards: {old} -> {new}")
+        elif int(dict(labels)["pid"]) not in active and new != old:
+            problems.append(f"{key} of an idle process changed: {old} -> {new}")
+    assert not problems, f"{len(problems)} problems, first ones: {problems[:8]}"
+
+
+def stores_in(doc_list: list[dict[str, object]]) -> set[tuple[object, object]]:
+    return {(entry["pid"], entry["agent_instance"]) for entry in doc_list}
+
+
+def cpp_stores(*ranks: CppRank) -> set[tuple[object, object]]:
+    """(pid, agent_instance) of each rank's two agents (instances 0 and 1 of the process)."""
+    return {(rank.pid, instance) for rank in ranks for instance in (0, 1)}
+
+
+# -- mixed directory, the aggregator, takeovers -----------------------------------------------------------------
+
+
+def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reaper: Reaper) -> None:
+    """The aggregator pod: C++ and Python ranks write, gunicorn serves; exact values, live/stale per process;
+    killing the aggregator hands the address to a C++ rank, a new aggregator takes it back."""
+    port = free_port()
+    with support_e2e.reaper() as group:
+        aggregator = start_aggregator(group, tmp_dir, port)
+        c0, c1 = start_cpp_ranks(reaper, tmp_dir, port, ["cpp0", "cpp1"], [{"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}])
+        py = start_exporter_rank(reaper, tmp_dir, port, agent="py2", extra_env={"LOCAL_RANK": "2", **PY_ENV})
+        c0.write(*[4096] * 5)
+        c1.write(1000, 1000, 1000, 65536, 65536)
+        py.events(PY_EVENTS)
+        assert not any(listens(rank.pid, port) for rank in (c0, c1)), "a C++ rank serves beside the aggregator"
+
+        samples = published(port, c0.totals, c1.totals)
+        assert_python_rank(samples, py.pid, "py2")
+        assert {dict(labels).get("local_rank") for _, labels in samples} == {"0", "1", "2"}
+        doc = healthz(port)
+        assert stores_in(doc["live"]) == cpp_stores(c0, c1) | {(py.pid, 0)} and doc["stale"] == []
+
+        c1.kill()
+        doc = healthz(port)
+        assert stores_in(doc["live"]) == cpp_stores(c0) | {(py.pid, 0)}
+        assert stores_in(doc["stale"]) == cpp_stores(c1)
+        before = parse_exposition(scrape(port))
+        assert_cpp_rank(before, c1.totals)  # a departed rank keeps its last values until the TTL
+
+        # The aggregator goes away; the C++ rank that keeps transferring re-runs its election and serves.
+        c0.pump()
+        aggregator.killpg(signal.SIGKILL)
+        aggregator.popen.wait(10)
+        cpp_took_s = wait_for_owner(port, c0.pid)
+        assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid})
+
+        # A new aggregator waits for the address, and gets it when the C++ owner dies.
+        second = start_aggregator(group, tmp_dir, port, wait=False)
+        totals = c0.unpump()
+        before = published(port, totals)
+        c0.kill()
+        aggregator_took_s = wait_for_owner(port, second.pid)
+        after = parse_exposition(scrape(port))
+        assert_not_backwards(before, after, active=set())
+        assert_cpp_rank(after, totals)
+        assert_cpp_rank(after, c1.totals)
+        assert_python_rank(after, py.pid, "py2")
+        doc = healthz(port)
+        assert stores_in(doc["live"]) == {(py.pid, 0)} and stores_in(doc["stale"]) == cpp_stores(c0, c1)
+    print(f"\ntakeover aggregator->C++ {cpp_took_s:.3f} s, C++->aggregator {aggregator_took_s:.3f} s "
+          f"(C++ agent pair created in {c0.create_s:.3f} s)")
+
+
+def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) -> None:
+    """C++ owner killed -> a Python rank serves; Python owner killed -> a C++ rank serves; nothing goes back."""
+    port = free_port()
+    (first,) = start_cpp_ranks(reaper, tmp_dir, port, ["cppA"])
+    wait_for_owner(port, first.pid)
+    first.write(2048, 2048, 2048)
+    py = start_exporter_rank(reaper, tmp_dir, port, agent="pyB", tick_hz=50, extra_env=PY_ENV)
+    assert not py.serving_at_start
+    py.events(PY_EVENTS)
+
+    before = published(port, first.totals)
+    first.kill()
+    python_took_s = wait_for_owner(port, py.pid)
+    after = parse_exposition(scrape(port))
+    assert_not_backwards(before, after, active={py.pid})
+    assert_cpp_rank(after, first.totals)
+    doc = healthz(port)
+    assert stores_in(doc["stale"]) == cpp_stores(first) and stores_in(doc["live"]) == {(py.pid, 0)}
+
+    (second,) = start_cpp_ranks(reaper, tmp_dir, port, ["cppC"])
+    second.write(100, 200)
+    second.pump()
+    before = parse_exposition(scrape(port))
+    py.kill()
+    cpp_took_s = wait_for_owner(port, second.pid)
+    totals = second.unpump()
+    after = published(port, first.totals, totals)
+    assert_not_backwards(before, after, active={second.pid, py.pid})
+    print(f"\ntakeover C++->Python {python_took_s:.3f} s (Python rank exporting at 50 Hz), "
+          f"Python->C++ {cpp_took_s:.3f} s (C++ rank transferring at 50 Hz)")
+
+
+# -- the same samples as the plug-in's own exposition -----------------------------------------------------------
+
+
+def test_our_exposition_is_the_plugins_sample_for_sample(tmp_dir: Path, reaper: Reaper) -> None:
+    """Over one directory (live and departed C++ stores, Python stores with default and custom buckets), our
+    owner and the plug-in's owner publish the same families, HELP, TYPE, label sets, label strings and values."""
+    cpp_port, py_port = free_port(), free_port()
+    live, departed = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["cpp-live", "cpp-gone"],
+                                     [{"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}])
+    live.write(100, 5000, 70000, 1 << 20)
+    departed.write(10, 20)
+    # Our owner serves the same directory on another address (elections are per address).
+    py = start_exporter_rank(reaper, tmp_dir, py_port, agent="py-owner", extra_env={"LOCAL_RANK": "2", **PY_ENV})
+    custom = start_exporter_rank(reaper, tmp_dir, py_port, agent="py-buckets", extra_env={
+        "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US": "0.5,2.5,1000,1e6,1.5e7", **PY_ENV})
+    assert py.serving_at_start and listens(live.pid, cpp_port)
+    py.events(PY_EVENTS)
+    custom.events([(EventType.AGENT_XFER_TIME, 2), (EventType.AGENT_XFER_TIME, 999_999),
+                   (EventType.AGENT_XFER_POST_TIME, 20_000_000), (EventType.AGENT_RX_BYTES, 2**53 + 1)])
+    published(cpp_port, live.totals, departed.totals)  # in the stores before the departing rank dies
+    departed.kill()
+
+    ours_text, theirs_text = scrape(py_port), scrape(cpp_port)
+    ours, theirs = parse_raw(ours_text), parse_raw(theirs_text)
+
+    assert set(theirs.types) - set(ours.types) == EXPOSER_FAMILIES
+    theirs.samples = {k: v for k, v in theirs.samples.items() if k[0].split("_")[0] != "exposer"}
+    for family in EXPOSER_FAMILIES:
+        del theirs.types[family], theirs.help[family]
+    assert ours.types == theirs.types
+    assert ours.help == theirs.help
+    only_ours, only_theirs = set(ours.samples) - set(theirs.samples), set(theirs.samples) - set(ours.samples)
+    assert not only_ours and not only_theirs, (
+        f"{len(only_ours)} series only in ours, {len(only_theirs)} only in the plug-in's; first ones:\n"
+        f"ours:   {sorted(only_ours, key=str)[:4]}\ntheirs: {sorted(only_theirs, key=str)[:4]}")
+    differing = {k: (ours.samples[k], theirs.samples[k]) for k in ours.samples
+                 if float(ours.samples[k]) != float(theirs.samples[k])}
+    assert not differing, f"{len(differing)} values differ (ours, theirs): {list(differing.items())[:6]}"
+    assert len(ours.samples) > 300  # five stores of every family: the comparison covered them all
+
+    # And as prometheus_client's parser reads them (names, documentation, types, samples).
+    def families(text: str) -> dict[str, tuple[str, str, set[tuple[str, tuple[tuple[str, str], ...], float]]]]:
+        return {f.name: (f.documentation, f.type, {(s.name, tuple(sorted(s.labels.items())), s.value)
+                                                   for s in f.samples})
+                for f in text_string_to_metric_families(text) if f.name.split("_")[0] != "exposer"}
+
+    assert families(ours_text) == families(theirs_text)
+
+
+# -- the same environment, the same behaviour ---------------------------------------------------------------------
+
+RANK = "LOCAL_RANK"
+CASES: list[tuple[str, dict[str, str], str | None, str]] = [
+    # (id, environment, bound host or None when refused, local_rank label)
+    ("local-unset", {}, "0.0.0.0", ""),
+    *[(f"local={w}", {"NIXL_TELEMETRY_PROMETHEUS_LOCAL": w}, "127.0.0.1", "")
+      for w in ("y", "Y", "yes", "on", "1", "true", "TRUE", "enable", "Enable")],
+    *[(f"local={w}", {"NIXL_TELEMETRY_PROMETHEUS_LOCAL": w}, "0.0.0.0", "")
+      for w in ("n", "no", "OFF", "0", "false", "disable", "DISABLE")],
+    *[(f"local={w!r}", {"NIXL_TELEMETRY_PROMETHEUS_LOCAL": w}, None, "") for w in ("", " y", "yes ", "2", "maybe")],
+    ("rank-default", {RANK: "3"}, "0.0.0.0", "3"),
+    ("rank-env-empty", {"NIXL_TELEMETRY_RANK_ENV": "", RANK: "3"}, "0.0.0.0", ""),
+    ("rank-env-named", {"NIXL_TELEMETRY_RANK_ENV": "MY_RANK", "MY_RANK": "5", RANK: "3"}, "0.0.0.0", "5"),
+    ("rank-env-named-unset", {"NIXL_TELEMETRY_RANK_ENV": "MY_RANK", RANK: "3"}, "0.0.0.0", ""),
+    ("rank-env-padded", {"NIXL_TELEMETRY_RANK_ENV": " LOCAL_RANK", RANK: "3"}, "0.0.0.0", ""),
+    ("rank-empty", {RANK: ""}, "0.0.0.0", ""),
+    ("enable=enable", {"NIXL_TELEMETRY_ENABLE": "enable"}, "0.0.0.0", ""),
+    ("enable=''", {"NIXL_TELEMETRY_ENABLE": ""}, None, ""),
+]
+# Cases where the agent exists but records nothing (no store, no lock file) in both implementations.
+DISABLED = [("enable=disable", {"NIXL_TELEMETRY_ENABLE": "disable"}), ("enable=0", {"NIXL_TELEMETRY_ENABLE": "0"}),
+            ("enable=No", {"NIXL_TELEMETRY_ENABLE": "No"})]
+CONTROLLED = sorted({name for _, env, *_ in CASES for name in env} | {name for _, env in DISABLED for name in env}
+                    | {"NIXL_TELEMETRY_ENABLE", "NIXL_TELEMETRY_EXPORTER", "NIXL_TELEMETRY_MULTIPROC_DIR",
+                       "NIXL_TELEMETRY_PROMETHEUS_PORT", "NIXL_TELEMETRY_PROMETHEUS_LOCAL", "NIXL_TELEMETRY_RANK_ENV"})
+
+
+@pytest.fixture(scope="module")
+def cpp_probe(nixl_required: None) -> Iterator[CppEnvProbe]:
+    with Reaper() as reaper:
+        yield CppEnvProbe(reaper)
+
+
+def outcome(directory: Path) -> tuple[set[str], set[tuple[str, str, str]]]:
+    """(lock file names, {(agent_name, hostname, local_rank)} of the stores) left in ``directory``."""
+    names = set(os.listdir(directory)) if directory.exists() else set()
+    stores = [read_snapshot(directory / n) for n in names if n.endswith(".mmap")]
+    return ({n for n in names if n.endswith(".lock")},
+            {(s.agent_name, s.hostname, s.local_rank) for s in stores})  # type: ignore[union-attr]
+
+
+def run_both(cpp_probe: CppEnvProbe, tmp_path: Path, extra: Mapping[str, str]) -> tuple[
+        tuple[bool, object], tuple[bool, object], int]:
+    """Create a C++ agent and our exporter under the same environment, the port held by a loopback listener
+    (so neither binds anything, yet each names the address it resolved in its election's lock file)."""
+    port = free_port()
+    results = []
+    with listening_socket(port):
+        for side in ("cpp", "ours"):
+            directory = tmp_path / side
+            env = {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
+                   "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+                   **extra}
+            if side == "cpp":
+                created = cpp_probe.create("agent", env, CONTROLLED)["created"]
+            else:
+                try:
+                    create_exporter("agent", env).close()
+                    created = True
+                except ConfigError:
+                    created = False
+            results.append((created, outcome(directory)))
+    return results[0], results[1], port
+
+
+@pytest.mark.parametrize(("env", "host", "local_rank"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def test_same_environment_same_address_and_labels(cpp_probe: CppEnvProbe, tmp_path: Path, env: dict[str, str],
+                                                  host: str | None, local_rank: str) -> None:
+    theirs, ours, port = run_both(cpp_probe, tmp_path, env)
+    assert ours == theirs
+    if host is None:
+        assert theirs == (False, (set(), set()))
+    else:
+        assert theirs == (True, ({lock_file_name(f"{host}:{port}")}, {("agent", socket.gethostname(), local_rank)}))
+
+
+@pytest.mark.parametrize("env", [pytest.param(c[1], id=c[0]) for c in DISABLED])
+def test_same_environment_same_choice_not_to_record(cpp_probe: CppEnvProbe, tmp_path: Path,
+                                                    env: dict[str, str]) -> None:
+    theirs, ours, _ = run_both(cpp_probe, tmp_path, env)
+    assert ours == theirs == (True, (set(), set()))
