@@ -262,6 +262,8 @@ def test_our_exposition_is_the_plugins_sample_for_sample(tmp_dir: Path, reaper: 
     differing = {k: (ours.samples[k], theirs.samples[k]) for k in ours.samples
                  if float(ours.samples[k]) != float(theirs.samples[k])}
     assert not differing, f"{len(differing)} values differ (ours, theirs): {list(differing.items())[:6]}"
+    spelled = {k: (ours.samples[k], theirs.samples[k]) for k in ours.samples if ours.samples[k] != theirs.samples[k]}
+    assert not spelled, f"{len(spelled)} values spelt differently (ours, theirs): {list(spelled.items())[:6]}"
     assert len(ours.samples) > 300  # five stores of every family: the comparison covered them all
 
     # And as prometheus_client's parser reads them (names, documentation, types, samples).
