@@ -66,6 +66,7 @@ def cpp_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
         "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
         "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y",
         "NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S),
+        "UCX_NET_DEVICES": "lo",  # UCX's own listener otherwise binds every interface; the tests stay on loopback
         **extra,
     }
 

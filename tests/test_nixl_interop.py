@@ -15,7 +15,7 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -56,8 +56,9 @@ pytestmark = pytest.mark.usefixtures("nixl_required")
 
 PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
 # The Python rank's events, and what they must show as (one agent, by sample name).
-PY_EVENTS = [(EventType.AGENT_TX_BYTES, 777), (EventType.AGENT_TX_REQUESTS_NUM, 1), (EventType.AGENT_XFER_TIME, 40),
-             (EventType.AGENT_XFER_TIME, 4000), (EventType.AGENT_ERR_BACKEND, 1)]
+PY_EVENTS: list[tuple[int, int]] = [
+    (EventType.AGENT_TX_BYTES, 777), (EventType.AGENT_TX_REQUESTS_NUM, 1), (EventType.AGENT_XFER_TIME, 40),
+    (EventType.AGENT_XFER_TIME, 4000), (EventType.AGENT_ERR_BACKEND, 1)]
 PY_EXPECTED = {"agent_tx_bytes_total": 777.0, "agent_tx_requests_num_total": 1.0, "agent_xfer_time_total": 4040.0,
                "agent_xfer_time": 4000.0, "agent_xfer_time_us_count": 2.0, "agent_xfer_time_us_sum": 4040.0,
                "agent_errors_total{status=backend}": 1.0}
@@ -74,9 +75,9 @@ def cpp_mismatches(samples: Mapping[SeriesKey, float], totals: Totals) -> list[s
     """How the published series of a C++ rank differ from what the plug-in recorded for its transfers."""
     problems = []
     for (agent, name), value in totals.expected().items():
-        got = samples_of(samples, totals.pid, agent).get(name)
-        if got != value:
-            problems.append(f"pid {totals.pid} {agent} {name}: published {got}, recorded {value}")
+        shown = samples_of(samples, totals.pid, agent).get(name)
+        if shown != value:
+            problems.append(f"pid {totals.pid} {agent} {name}: published {shown}, recorded {value}")
     for agent in totals.agents:
         got = samples_of(samples, totals.pid, agent)
         for histogram in ("agent_xfer_time_us", "agent_xfer_post_time_us"):
@@ -99,9 +100,9 @@ def assert_cpp_rank(samples: Mapping[SeriesKey, float], totals: Totals) -> None:
 def published(port: int, *ranks: Totals) -> dict[SeriesKey, float]:
     """The scrape once it shows every rank's transfers (bounded wait): the plug-in stages events and writes
     its store every 100 ms (NIXL_TELEMETRY_RUN_INTERVAL), so a transfer that just completed may not be in it."""
-    def current() -> dict[SeriesKey, float] | None:
+    def current() -> dict[SeriesKey, float]:
         samples = parse_exposition(scrape(port))
-        return samples if not any(cpp_mismatches(samples, totals) for totals in ranks) else None
+        return {} if any(cpp_mismatches(samples, totals) for totals in ranks) else samples
 
     return wait_until(current, message=f"port {port} to publish {ranks}")
 
@@ -231,15 +232,16 @@ def test_our_exposition_is_the_plugins_sample_for_sample(tmp_dir: Path, reaper: 
     """Over one directory (live and departed C++ stores, Python stores with default and custom buckets), our
     owner and the plug-in's owner publish the same families, HELP, TYPE, label sets, label strings and values."""
     cpp_port, py_port = free_port(), free_port()
-    live, departed = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["cpp-live", "cpp-gone"],
-                                     [{"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}])
+    (live,) = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["cpp-live"], [{"LOCAL_RANK": "0"}])
+    wait_for_owner(cpp_port, live.pid)  # the plug-in serving: the rank that stays
+    (departed,) = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["cpp-gone"], [{"LOCAL_RANK": "1"}])
     live.write(100, 5000, 70000, 1 << 20)
     departed.write(10, 20)
     # Our owner serves the same directory on another address (elections are per address).
     py = start_exporter_rank(reaper, tmp_dir, py_port, agent="py-owner", extra_env={"LOCAL_RANK": "2", **PY_ENV})
     custom = start_exporter_rank(reaper, tmp_dir, py_port, agent="py-buckets", extra_env={
         "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US": "0.5,2.5,1000,1e6,1.5e7", **PY_ENV})
-    assert py.serving_at_start and listens(live.pid, cpp_port)
+    assert py.serving_at_start
     py.events(PY_EVENTS)
     custom.events([(EventType.AGENT_XFER_TIME, 2), (EventType.AGENT_XFER_TIME, 999_999),
                    (EventType.AGENT_XFER_POST_TIME, 20_000_000), (EventType.AGENT_RX_BYTES, 2**53 + 1)])
@@ -309,7 +311,10 @@ def cpp_probe(nixl_required: None) -> Iterator[CppEnvProbe]:
         yield CppEnvProbe(reaper)
 
 
-def outcome(directory: Path) -> tuple[set[str], set[tuple[str, str, str]]]:
+Outcome = tuple[set[str], set[tuple[str, str, str]]]
+
+
+def outcome(directory: Path) -> Outcome:
     """(lock file names, {(agent_name, hostname, local_rank)} of the stores) left in ``directory``."""
     names = set(os.listdir(directory)) if directory.exists() else set()
     stores = [read_snapshot(directory / n) for n in names if n.endswith(".mmap")]
@@ -317,11 +322,15 @@ def outcome(directory: Path) -> tuple[set[str], set[tuple[str, str, str]]]:
             {(s.agent_name, s.hostname, s.local_rank) for s in stores})  # type: ignore[union-attr]
 
 
-def run_both(cpp_probe: CppEnvProbe, tmp_path: Path, extra: Mapping[str, str]) -> tuple[
-        tuple[bool, object], tuple[bool, object], int]:
+def run_both(cpp_probe: CppEnvProbe, tmp_path: Path, extra: Mapping[str, str] | Callable[[int], dict[str, str]]
+             ) -> tuple[tuple[bool, Outcome], tuple[bool, Outcome], int]:
     """Create a C++ agent and our exporter under the same environment, the port held by a loopback listener
-    (so neither binds anything, yet each names the address it resolved in its election's lock file)."""
+    (so neither binds anything, yet each names the address it resolved in its election's lock file).
+
+    ``extra`` is the environment, or a function of the port returning it."""
     port = free_port()
+    if callable(extra):
+        extra = extra(port)
     results = []
     with listening_socket(port):
         for side in ("cpp", "ours"):
@@ -357,3 +366,25 @@ def test_same_environment_same_choice_not_to_record(cpp_probe: CppEnvProbe, tmp_
                                                     env: dict[str, str]) -> None:
     theirs, ours, _ = run_both(cpp_probe, tmp_path, env)
     assert ours == theirs == (True, (set(), set()))
+
+
+# Where we are stricter or looser than the plug-in (docs/cpp-interop.md lists these): (id, variable, value with
+# {port} and {hex} filled in, the implementation that accepts it; the other refuses it).
+DIFFERENCES = [
+    ("port-hex", "NIXL_TELEMETRY_PROMETHEUS_PORT", "{hex}", "cpp"),
+    ("port-padded", "NIXL_TELEMETRY_PROMETHEUS_PORT", " {port}", "ours"),
+    ("ttl-empty", "NIXL_TELEMETRY_MP_STALE_TTL", "", "ours"),
+    ("ttl-fraction", "NIXL_TELEMETRY_MP_STALE_TTL", "1.5", "ours"),
+    ("ttl-hex", "NIXL_TELEMETRY_MP_STALE_TTL", "0x10", "cpp"),
+]
+
+
+@pytest.mark.parametrize(("variable", "value", "accepts"), [pytest.param(*c[1:], id=c[0]) for c in DIFFERENCES])
+def test_documented_differences(cpp_probe: CppEnvProbe, tmp_path: Path, variable: str, value: str,
+                                accepts: str) -> None:
+    theirs, ours, port = run_both(cpp_probe, tmp_path, lambda p: {
+        "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", variable: value.format(port=p, hex=hex(p))})
+    accepted: tuple[bool, set[str]] = (True, {lock_file_name(f"127.0.0.1:{port}")})
+    refused: tuple[bool, set[str]] = (False, set())
+    assert (theirs[0], theirs[1][0]) == (accepted if accepts == "cpp" else refused)
+    assert (ours[0], ours[1][0]) == (refused if accepts == "cpp" else accepted)
