@@ -36,6 +36,10 @@ import time
 from typing import Any
 
 DEFAULT_BUFFER_BYTES = 1 << 20
+# NIXL stages telemetry events and writes them into the store every NIXL_TELEMETRY_RUN_INTERVAL ms (default 100);
+# what is still staged when the process exits is lost. Waiting this long after the last transfer lets the final
+# round reach the store, so the last totals printed are the ones /metrics keeps showing.
+LAST_WRITE_WAIT_S = 0.25
 
 
 class AgentPair:
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds += 1
         print(json.dumps(pair.totals()), flush=True)
         stop.wait(args.interval)
+    time.sleep(LAST_WRITE_WAIT_S)
     return 0
 
 

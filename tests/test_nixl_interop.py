@@ -11,10 +11,12 @@ Skipped, saying why, without the wheel; ``NIXL_INTEROP_REQUIRED=1`` (CI) turns t
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -22,6 +24,8 @@ import pytest
 import support_e2e
 from prometheus_client.parser import text_string_to_metric_families
 from support import (
+    DEADLINE_S,
+    START_DEADLINE_S,
     Reaper,
     SeriesKey,
     free_port,
@@ -388,3 +392,25 @@ def test_documented_differences(cpp_probe: CppEnvProbe, tmp_path: Path, variable
     refused: tuple[bool, set[str]] = (False, set())
     assert (theirs[0], theirs[1][0]) == (accepted if accepts == "cpp" else refused)
     assert (ours[0], ours[1][0]) == (refused if accepts == "cpp" else accepted)
+
+
+# -- the example ------------------------------------------------------------------------------------------------
+
+
+def test_example_script_is_served_with_the_totals_it_prints(tmp_dir: Path, reaper: Reaper) -> None:
+    """examples/cpp_agents.py as docs/cpp-interop.md runs it: each JSON line it prints is what /metrics shows
+    for its tx agent, whoever serves (here a Python rank); SIGTERM stops it cleanly."""
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="py-owner", extra_env=PY_ENV)
+    assert owner.serving_at_start
+    with support_e2e.reaper() as group:
+        env = support_e2e.rank_env(tmp_dir, port, LOCAL_RANK="4", UCX_NET_DEVICES="lo")
+        example = group.start([sys.executable, str(support_e2e.REPO / "examples" / "cpp_agents.py"), "--size",
+                               "3000", "--count", "2", "--interval", "0.05"], env)
+        example.wait_line(lambda line: '"transfers": 6' in line, START_DEADLINE_S)
+        example.popen.send_signal(signal.SIGTERM)
+        assert example.popen.wait(DEADLINE_S) == 0
+    last = Totals.from_answer(json.loads([line for line in example.lines if line.startswith("{")][-1]))
+    assert last.agents == ("rank4-tx", "rank4-rx") and last.bytes == 3000 * last.transfers
+    samples = published(port, last)
+    assert {dict(labels).get("local_rank") for _, labels in samples} == {None, "4"}
