@@ -195,10 +195,26 @@ class CppRank:
         self.process.kill()
 
 
+def in_own_pid_namespace(script: str) -> str:
+    """``script`` run as pid 1 of a new pid namespace, as a container's main process runs (needs root).
+
+    The started process execs ``unshare``, keeping its pid (the one the Reaper kills) and its pipes; unshare
+    SIGKILLs the namespace's process when it dies itself.
+    """
+    return textwrap.dedent(f"""
+        import os, sys
+        os.execvp("unshare", ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", {script!r},
+                              *sys.argv[1:]])
+    """)
+
+
 def start_cpp_ranks(reaper: Reaper, directory: Path, port: int, names: list[str],
-                    envs: list[Mapping[str, str]] | None = None) -> list[CppRank]:
-    """Start one C++ rank per name (in parallel, in that order), then wait until each is ready."""
-    processes = [start_rank(reaper, CPP_RANK_SCRIPT, cpp_env(directory, port, **(extra or {})), args=(name,))
+                    envs: list[Mapping[str, str]] | None = None, own_pid_namespace: bool = False) -> list[CppRank]:
+    """Start one C++ rank per name (in parallel, in that order), then wait until each is ready.
+
+    With ``own_pid_namespace`` each is pid 1 of a namespace of its own (its ``pid`` is then 1)."""
+    script = in_own_pid_namespace(CPP_RANK_SCRIPT) if own_pid_namespace else CPP_RANK_SCRIPT
+    processes = [start_rank(reaper, script, cpp_env(directory, port, **(extra or {})), args=(name,))
                  for name, extra in zip(names, envs or [{}] * len(names), strict=True)]
     return [CppRank(p) for p in processes]
 

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -414,3 +415,46 @@ def test_example_script_is_served_with_the_totals_it_prints(tmp_dir: Path, reape
     assert last.agents == ("rank4-tx", "rank4-rx") and last.bytes == 3000 * last.transfers
     samples = published(port, last)
     assert {dict(labels).get("local_rank") for _, labels in samples} == {None, "4"}
+
+
+# -- pid namespaces ---------------------------------------------------------------------------------------------
+
+
+def can_unshare_pid_namespace() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not can_unshare_pid_namespace(), reason="creating a pid namespace needs root and unshare(1)")
+def test_restarted_rank_in_its_own_pid_namespace_is_published_once(tmp_dir: Path, reaper: Reaper) -> None:
+    """A rank container restarted: predecessor and successor are both pid 1 with the same agent name and rank,
+    so their stores carry the same label set. The plug-in publishes both (duplicate series); we publish the
+    live successor only and say why in /healthz."""
+    cpp_port, py_port = free_port(), free_port()
+    (owner,) = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["cpp-owner"])
+    wait_for_owner(cpp_port, owner.pid)
+    py = start_exporter_rank(reaper, tmp_dir, py_port, agent="py-owner", extra_env=PY_ENV)
+    assert py.serving_at_start
+    rank0 = {"LOCAL_RANK": "0"}
+    (predecessor,) = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["rank"], [rank0], own_pid_namespace=True)
+    predecessor.write(1000)
+    published(cpp_port, predecessor.totals)
+    predecessor.kill()
+    (successor,) = start_cpp_ranks(reaper, tmp_dir, cpp_port, ["rank"], [rank0], own_pid_namespace=True)
+    successor.write(500, 500, 500)
+    assert predecessor.totals.pid == successor.totals.pid == 1
+
+    def tx_bytes(port: int) -> tuple[list[float], str]:
+        """The values of the successor's and predecessor's agent_tx_bytes_total series, and the scrape."""
+        text = scrape(port)
+        return sorted(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("agent_tx_bytes_total{") and 'pid="1"' in line and '"rank-tx"' in line), text
+
+    wait_until(lambda: tx_bytes(cpp_port)[0] == [1000.0, 1500.0], message="the plug-in to publish both stores")
+    ours = wait_until(lambda: (values := tx_bytes(py_port))[0] == [1500.0] and values[1],
+                      message="our owner to publish the successor only")
+    assert_cpp_rank(parse_exposition(ours), successor.totals)
+    warnings = [w for w in healthz(py_port)["warnings"] if w["kind"] == "duplicate-labels"]
+    assert len(warnings) == 2, warnings  # the predecessor's two agents, each shadowed by its successor
