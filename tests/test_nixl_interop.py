@@ -57,8 +57,6 @@ from app.exporter import create_exporter
 from election import lock_file_name
 from store import EventType, read_snapshot
 
-pytestmark = pytest.mark.usefixtures("nixl_required")
-
 PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
 # The Python rank's events, and what they must show as (one agent, by sample name).
 PY_EVENTS: list[tuple[int, int]] = [
@@ -148,6 +146,7 @@ def cpp_stores(*ranks: CppRank) -> set[tuple[object, object]]:
 # -- mixed directory, the aggregator, takeovers -----------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("nixl_required")
 def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reaper: Reaper) -> None:
     """The aggregator pod: C++ and Python ranks write, gunicorn serves; exact values, live/stale per process;
     killing the aggregator hands the address to a C++ rank, a new aggregator takes it back."""
@@ -198,6 +197,7 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
           f"(C++ agent pair created in {c0.create_s:.3f} s)")
 
 
+@pytest.mark.usefixtures("nixl_required")
 def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) -> None:
     """C++ owner killed -> a Python rank serves; Python owner killed -> a C++ rank serves; nothing goes back."""
     port = free_port()
@@ -233,6 +233,7 @@ def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) ->
 # -- the same samples as the plug-in's own exposition -----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("nixl_required")
 def test_our_exposition_is_the_plugins_sample_for_sample(tmp_dir: Path, reaper: Reaper) -> None:
     """Over one directory (live and departed C++ stores, Python stores with default and custom buckets), our
     owner and the plug-in's owner publish the same families, HELP, TYPE, label sets, label strings and values."""
@@ -327,43 +328,55 @@ def outcome(directory: Path) -> Outcome:
             {(s.agent_name, s.hostname, s.local_rank) for s in stores})  # type: ignore[union-attr]
 
 
-def run_both(cpp_probe: CppEnvProbe, tmp_path: Path, extra: Mapping[str, str] | Callable[[int], dict[str, str]]
-             ) -> tuple[tuple[bool, Outcome], tuple[bool, Outcome], int]:
-    """Create a C++ agent and our exporter under the same environment, the port held by a loopback listener
-    (so neither binds anything, yet each names the address it resolved in its election's lock file).
+def run_both(cpp_probe: CppEnvProbe | None, tmp_path: Path,
+             extra: Mapping[str, str] | Callable[[int], dict[str, str]]
+             ) -> tuple[tuple[bool, Outcome] | None, tuple[bool, Outcome], int]:
+    """Create a C++ agent (unless ``cpp_probe`` is None) and our exporter under the same environment, the port
+    held by a loopback listener (so neither binds anything, yet each names the address it resolved in its
+    election's lock file). Each result is (created, what it left in its directory).
 
     ``extra`` is the environment, or a function of the port returning it."""
     port = free_port()
     if callable(extra):
         extra = extra(port)
-    results = []
+
+    def env(side: str) -> dict[str, str]:
+        return {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
+                "NIXL_TELEMETRY_MULTIPROC_DIR": str(tmp_path / side), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+                **extra}
+
+    theirs = None
     with listening_socket(port):
-        for side in ("cpp", "ours"):
-            directory = tmp_path / side
-            env = {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
-                   "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
-                   **extra}
-            if side == "cpp":
-                created = cpp_probe.create("agent", env, CONTROLLED)["created"]
-            else:
-                try:
-                    create_exporter("agent", env).close()
-                    created = True
-                except ConfigError:
-                    created = False
-            results.append((created, outcome(directory)))
-    return results[0], results[1], port
+        if cpp_probe is not None:
+            theirs = (cpp_probe.create("agent", env("cpp"), CONTROLLED)["created"], outcome(tmp_path / "cpp"))
+        try:
+            create_exporter("agent", env("ours")).close()
+            created = True
+        except ConfigError:
+            created = False
+    return theirs, (created, outcome(tmp_path / "ours")), port
+
+
+def expected_outcome(host: str | None, local_rank: str, port: int) -> tuple[bool, Outcome]:
+    """Refused (nothing on disk), or an election for host:port and a store with these labels."""
+    if host is None:
+        return False, (set(), set())
+    return True, ({lock_file_name(f"{host}:{port}")}, {("agent", socket.gethostname(), local_rank)})
 
 
 @pytest.mark.parametrize(("env", "host", "local_rank"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
 def test_same_environment_same_address_and_labels(cpp_probe: CppEnvProbe, tmp_path: Path, env: dict[str, str],
                                                   host: str | None, local_rank: str) -> None:
     theirs, ours, port = run_both(cpp_probe, tmp_path, env)
-    assert ours == theirs
-    if host is None:
-        assert theirs == (False, (set(), set()))
-    else:
-        assert theirs == (True, ({lock_file_name(f"{host}:{port}")}, {("agent", socket.gethostname(), local_rank)}))
+    assert theirs == ours == expected_outcome(host, local_rank, port)
+
+
+@pytest.mark.parametrize(("env", "host", "local_rank"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def test_our_reading_of_the_environment(tmp_path: Path, env: dict[str, str], host: str | None,
+                                        local_rank: str) -> None:
+    """The same table without the plug-in (runs where the wheel is not installed)."""
+    _, ours, port = run_both(None, tmp_path, env)
+    assert ours == expected_outcome(host, local_rank, port)
 
 
 @pytest.mark.parametrize("env", [pytest.param(c[1], id=c[0]) for c in DISABLED])
@@ -391,13 +404,14 @@ def test_documented_differences(cpp_probe: CppEnvProbe, tmp_path: Path, variable
         "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", variable: value.format(port=p, hex=hex(p))})
     accepted: tuple[bool, set[str]] = (True, {lock_file_name(f"127.0.0.1:{port}")})
     refused: tuple[bool, set[str]] = (False, set())
-    assert (theirs[0], theirs[1][0]) == (accepted if accepts == "cpp" else refused)
+    assert theirs is not None and (theirs[0], theirs[1][0]) == (accepted if accepts == "cpp" else refused)
     assert (ours[0], ours[1][0]) == (refused if accepts == "cpp" else accepted)
 
 
 # -- the example ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("nixl_required")
 def test_example_script_is_served_with_the_totals_it_prints(tmp_dir: Path, reaper: Reaper) -> None:
     """examples/cpp_agents.py as docs/cpp-interop.md runs it: each JSON line it prints is what /metrics shows
     for its tx agent, whoever serves (here a Python rank); SIGTERM stops it cleanly."""
@@ -427,6 +441,7 @@ def can_unshare_pid_namespace() -> bool:
         return False
 
 
+@pytest.mark.usefixtures("nixl_required")
 @pytest.mark.skipif(not can_unshare_pid_namespace(), reason="creating a pid namespace needs root and unshare(1)")
 def test_restarted_rank_in_its_own_pid_namespace_is_published_once(tmp_dir: Path, reaper: Reaper) -> None:
     """A rank container restarted: predecessor and successor are both pid 1 with the same agent name and rank,
@@ -453,8 +468,11 @@ def test_restarted_rank_in_its_own_pid_namespace_is_published_once(tmp_dir: Path
                       if line.startswith("agent_tx_bytes_total{") and 'pid="1"' in line and '"rank-tx"' in line), text
 
     wait_until(lambda: tx_bytes(cpp_port)[0] == [1000.0, 1500.0], message="the plug-in to publish both stores")
-    ours = wait_until(lambda: (values := tx_bytes(py_port))[0] == [1500.0] and values[1],
-                      message="our owner to publish the successor only")
+    def successor_only() -> str:
+        values, text = tx_bytes(py_port)
+        return text if values == [1500.0] else ""
+
+    ours = wait_until(successor_only, message="our owner to publish the successor only")
     assert_cpp_rank(parse_exposition(ours), successor.totals)
     warnings = [w for w in healthz(py_port)["warnings"] if w["kind"] == "duplicate-labels"]
     assert len(warnings) == 2, warnings  # the predecessor's two agents, each shadowed by its successor
