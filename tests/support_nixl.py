@@ -222,7 +222,8 @@ def start_cpp_ranks(reaper: Reaper, directory: Path, port: int, names: list[str]
 # -- one agent per environment -------------------------------------------------------------------------------
 
 # One process, one agent per command: {"unset": [names], "env": {name: value}, "name": agent} edits this process's
-# environment (which the plug-in reads with getenv as each agent is created), creates the agent with no backend
+# environment (which the plug-in reads with getenv as each agent is created: every NIXL_TELEMETRY_* variable and
+# those named are unset, then ``env`` is set), creates the agent with no backend
 # and answers {"created": true} or {"created": false, "error": "..."}; the agent is dropped at once, its store and
 # lock file stay in the directory for the test to read.
 CPP_ENV_PROBE_SCRIPT = textwrap.dedent("""
@@ -233,8 +234,8 @@ CPP_ENV_PROBE_SCRIPT = textwrap.dedent("""
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
-        for name in cmd["unset"]:
-            os.environ.pop(name, None)
+        for name in [n for n in os.environ if n.startswith("NIXL_TELEMETRY_") or n in cmd["unset"]]:
+            del os.environ[name]
         os.environ.update(cmd["env"])
         try:
             agent = nixl_agent(cmd["name"], nixl_agent_config(backends=[]))
@@ -256,7 +257,7 @@ class CppEnvProbe:
         assert json.loads(self.process.readline(START_DEADLINE_S)) == {"ready": True}
 
     def create(self, name: str, env: Mapping[str, str], unset: list[str]) -> dict[str, Any]:
-        """Create agent ``name`` with exactly ``env`` set among the variables ``unset`` names."""
+        """Create agent ``name`` with exactly ``env`` set among NIXL_TELEMETRY_* and the variables ``unset`` names."""
         self.process.send(json.dumps({"name": name, "env": dict(env), "unset": unset}))
         return json.loads(self.process.readline(DEADLINE_S))
 

@@ -55,7 +55,7 @@ from support_nixl import (
 from app.config import ConfigError
 from app.exporter import create_exporter
 from election import lock_file_name
-from store import EventType, read_snapshot
+from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
 
 PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
 # The Python rank's events, and what they must show as (one agent, by sample name).
@@ -303,12 +303,25 @@ CASES: list[tuple[str, dict[str, str], str | None, str]] = [
     ("enable=enable", {"NIXL_TELEMETRY_ENABLE": "enable"}, "0.0.0.0", ""),
     ("enable=''", {"NIXL_TELEMETRY_ENABLE": ""}, None, ""),
 ]
+BUCKETS = "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US"
+# (id, value, the bounds both store, or None when both refuse it)
+BUCKET_CASES: list[tuple[str, str, tuple[float, ...] | None]] = [
+    ("buckets-empty", "", DEFAULT_BUCKETS_US),
+    ("buckets-plain", "10,100,1000", (10.0, 100.0, 1000.0)),
+    ("buckets-spaced", " 0.5 , 2.5,1e3 ", (0.5, 2.5, 1000.0)),
+    ("buckets-signed", "+5,1e7", (5.0, 1e7)),
+    ("buckets-32", ",".join(str(n) for n in range(1, 33)), tuple(float(n) for n in range(1, 33))),
+    ("buckets-33", ",".join(str(n) for n in range(1, 34)), None),
+    ("buckets-decreasing", "10,5", None),
+    ("buckets-zero", "0,5", None),
+    ("buckets-word", "ten", None),
+    ("buckets-trailing-comma", "5,", None),
+    ("buckets-infinite", "5,inf", None),
+]
 # Cases where the agent exists but records nothing (no store, no lock file) in both implementations.
 DISABLED = [("enable=disable", {"NIXL_TELEMETRY_ENABLE": "disable"}), ("enable=0", {"NIXL_TELEMETRY_ENABLE": "0"}),
             ("enable=No", {"NIXL_TELEMETRY_ENABLE": "No"})]
-CONTROLLED = sorted({name for _, env, *_ in CASES for name in env} | {name for _, env in DISABLED for name in env}
-                    | {"NIXL_TELEMETRY_ENABLE", "NIXL_TELEMETRY_EXPORTER", "NIXL_TELEMETRY_MULTIPROC_DIR",
-                       "NIXL_TELEMETRY_PROMETHEUS_PORT", "NIXL_TELEMETRY_PROMETHEUS_LOCAL", "NIXL_TELEMETRY_RANK_ENV"})
+OTHER_VARIABLES = [RANK, "MY_RANK"]  # unset before each C++ agent, with every NIXL_TELEMETRY_* variable
 
 
 @pytest.fixture(scope="module")
@@ -317,15 +330,15 @@ def cpp_probe(nixl_required: None) -> Iterator[CppEnvProbe]:
         yield CppEnvProbe(reaper)
 
 
-Outcome = tuple[set[str], set[tuple[str, str, str]]]
+Outcome = tuple[set[str], set[tuple[str, str, str, tuple[float, ...]]]]
 
 
 def outcome(directory: Path) -> Outcome:
-    """(lock file names, {(agent_name, hostname, local_rank)} of the stores) left in ``directory``."""
+    """(lock file names, {(agent_name, hostname, local_rank, bucket bounds)} of the stores) left in ``directory``."""
     names = set(os.listdir(directory)) if directory.exists() else set()
     stores = [read_snapshot(directory / n) for n in names if n.endswith(".mmap")]
     return ({n for n in names if n.endswith(".lock")},
-            {(s.agent_name, s.hostname, s.local_rank) for s in stores})  # type: ignore[union-attr]
+            {(s.agent_name, s.hostname, s.local_rank, s.bounds) for s in stores})  # type: ignore[union-attr]
 
 
 def run_both(cpp_probe: CppEnvProbe | None, tmp_path: Path,
@@ -348,7 +361,7 @@ def run_both(cpp_probe: CppEnvProbe | None, tmp_path: Path,
     theirs = None
     with listening_socket(port):
         if cpp_probe is not None:
-            theirs = (cpp_probe.create("agent", env("cpp"), CONTROLLED)["created"], outcome(tmp_path / "cpp"))
+            theirs = (cpp_probe.create("agent", env("cpp"), OTHER_VARIABLES)["created"], outcome(tmp_path / "cpp"))
         try:
             create_exporter("agent", env("ours")).close()
             created = True
@@ -357,11 +370,12 @@ def run_both(cpp_probe: CppEnvProbe | None, tmp_path: Path,
     return theirs, (created, outcome(tmp_path / "ours")), port
 
 
-def expected_outcome(host: str | None, local_rank: str, port: int) -> tuple[bool, Outcome]:
-    """Refused (nothing on disk), or an election for host:port and a store with these labels."""
+def expected_outcome(host: str | None, local_rank: str, port: int,
+                     bounds: tuple[float, ...] = DEFAULT_BUCKETS_US) -> tuple[bool, Outcome]:
+    """Refused (nothing on disk), or an election for host:port and a store with these labels and buckets."""
     if host is None:
         return False, (set(), set())
-    return True, ({lock_file_name(f"{host}:{port}")}, {("agent", socket.gethostname(), local_rank)})
+    return True, ({lock_file_name(f"{host}:{port}")}, {("agent", socket.gethostname(), local_rank, bounds)})
 
 
 @pytest.mark.parametrize(("env", "host", "local_rank"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
@@ -379,6 +393,13 @@ def test_our_reading_of_the_environment(tmp_path: Path, env: dict[str, str], hos
     assert ours == expected_outcome(host, local_rank, port)
 
 
+@pytest.mark.parametrize(("value", "bounds"), [pytest.param(*c[1:], id=c[0]) for c in BUCKET_CASES])
+def test_same_histogram_buckets(cpp_probe: CppEnvProbe, tmp_path: Path, value: str,
+                                bounds: tuple[float, ...] | None) -> None:
+    theirs, ours, port = run_both(cpp_probe, tmp_path, {"NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", BUCKETS: value})
+    assert theirs == ours == expected_outcome(None if bounds is None else "127.0.0.1", "", port, bounds or ())
+
+
 @pytest.mark.parametrize("env", [pytest.param(c[1], id=c[0]) for c in DISABLED])
 def test_same_environment_same_choice_not_to_record(cpp_probe: CppEnvProbe, tmp_path: Path,
                                                     env: dict[str, str]) -> None:
@@ -394,6 +415,8 @@ DIFFERENCES = [
     ("ttl-empty", "NIXL_TELEMETRY_MP_STALE_TTL", "", "ours"),
     ("ttl-fraction", "NIXL_TELEMETRY_MP_STALE_TTL", "1.5", "ours"),
     ("ttl-hex", "NIXL_TELEMETRY_MP_STALE_TTL", "0x10", "cpp"),
+    ("buckets-blank", BUCKETS, " ", "ours"),
+    ("buckets-underscore", BUCKETS, "1_000", "ours"),
 ]
 
 
