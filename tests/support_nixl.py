@@ -313,9 +313,10 @@ def listens(pid: int, port: int) -> bool:
     return False
 
 
-def wait_for_owner(port: int, pid: int, timeout: float = DEADLINE_S) -> float:
-    """Seconds until ``pid`` listens on the port and /metrics answers 200 there (bounded)."""
-    started = time.monotonic()
+def wait_for_owner(port: int, pid: int, timeout: float = DEADLINE_S, since: float | None = None) -> float:
+    """Seconds from ``since`` (a time.monotonic(), default now) until ``pid`` listens on the port and /metrics
+    answers 200 there; fails after ``timeout`` s."""
+    started = time.monotonic() if since is None else since
 
     def served() -> bool:
         return listens(pid, port) and http_get(metrics_url(port), timeout=2).status == 200

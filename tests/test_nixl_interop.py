@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -175,17 +176,19 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
 
         # The aggregator goes away; the C++ rank that keeps transferring re-runs its election and serves.
         c0.pump()
+        killed = time.monotonic()
         aggregator.killpg(signal.SIGKILL)
-        aggregator.popen.wait(10)
-        cpp_took_s = wait_for_owner(port, c0.pid)
+        aggregator.popen.wait(DEADLINE_S)
+        cpp_took_s = wait_for_owner(port, c0.pid, since=killed)
         assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid})
 
         # A new aggregator waits for the address, and gets it when the C++ owner dies.
         second = start_aggregator(group, tmp_dir, port, wait=False)
         totals = c0.unpump()
         before = published(port, totals)
+        killed = time.monotonic()
         c0.kill()
-        aggregator_took_s = wait_for_owner(port, second.pid)
+        aggregator_took_s = wait_for_owner(port, second.pid, since=killed)
         after = parse_exposition(scrape(port))
         assert_not_backwards(before, after, active=set())
         assert_cpp_rank(after, totals)
@@ -209,8 +212,9 @@ def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) ->
     py.events(PY_EVENTS)
 
     before = published(port, first.totals)
+    killed = time.monotonic()
     first.kill()
-    python_took_s = wait_for_owner(port, py.pid)
+    python_took_s = wait_for_owner(port, py.pid, since=killed)
     after = parse_exposition(scrape(port))
     assert_not_backwards(before, after, active={py.pid})
     assert_cpp_rank(after, first.totals)
@@ -221,8 +225,9 @@ def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) ->
     second.write(100, 200)
     second.pump()
     before = parse_exposition(scrape(port))
+    killed = time.monotonic()
     py.kill()
-    cpp_took_s = wait_for_owner(port, second.pid)
+    cpp_took_s = wait_for_owner(port, second.pid, since=killed)
     totals = second.unpump()
     after = published(port, first.totals, totals)
     assert_not_backwards(before, after, active={second.pid, py.pid})
