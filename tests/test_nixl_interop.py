@@ -184,6 +184,7 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
 
         # A new aggregator waits for the address, and gets it when the C++ owner dies.
         second = start_aggregator(group, tmp_dir, port, wait=False)
+        second.wait_line(lambda line: "the aggregator waits for the address" in line, START_DEADLINE_S)
         totals = c0.unpump()
         before = published(port, totals)
         killed = time.monotonic()
