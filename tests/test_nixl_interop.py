@@ -423,6 +423,7 @@ DIFFERENCES = [
     ("ttl-hex", "NIXL_TELEMETRY_MP_STALE_TTL", "0x10", "cpp"),
     ("buckets-blank", BUCKETS, " ", "ours"),
     ("buckets-underscore", BUCKETS, "1_000", "ours"),
+    ("exporter-padded", "NIXL_TELEMETRY_EXPORTER", " prometheus_mp", "ours"),
 ]
 
 
