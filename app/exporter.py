@@ -31,7 +31,7 @@ from app.config import (
     parse_flag,
     prepare_directory,
 )
-from app.endpoint import NEVER, ScrapeEndpoint
+from app.endpoint import BACKOFF_NS, NEVER, ScrapeEndpoint
 from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, held_addresses_except
 from store import EventType, StoreIdentity, StoreWriter
@@ -43,6 +43,7 @@ log = logging.getLogger("nixl_prometheus_mp")
 
 _instances = itertools.count()  # agent_instance: 0, 1, ... per process
 _instances_lock = threading.Lock()
+_CLOSE_WAIT_S = 10.0  # a second closer waits at most this long for the first one to finish
 _STATUS_EVENTS = {error_status(ev): ev for ev in ERROR_EVENTS}
 
 
@@ -103,6 +104,51 @@ def health_warnings(owners: OwnerWatch, election: OwnerElection) -> list[Warning
     return warnings
 
 
+def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, OwnerWatch]:
+    """The endpoint (not yet claimed) and the duplicate-owner watch of one Exporter.
+
+    Nothing built here may refer to the Exporter: its finalizer keeps the endpoint alive.
+    """
+    election = OwnerElection(config.directory, config.address)
+    owners = OwnerWatch(config.directory, config.address)
+
+    def owner() -> dict[str, Any]:
+        return endpoint.owner_info(agent_name, "in-process")
+
+    def warnings() -> list[WarningDoc]:
+        endpoint.watch()
+        return endpoint.warnings() + health_warnings(owners, election)
+
+    def on_scrape() -> None:
+        endpoint.watch()
+        owners.poll()
+
+    app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings, on_scrape=on_scrape)
+    endpoint = ScrapeEndpoint(election, config.host, config.port, app)
+    return endpoint, owners
+
+
+class _CloseState:
+    """Who is closing an Exporter, and when it is done (shared by close() and the finalizer)."""
+
+    def __init__(self) -> None:
+        self.closer: int | None = None
+        self.done = threading.Event()
+
+
+def _release(endpoint: ScrapeEndpoint, writer: StoreWriter, state: _CloseState) -> _CloseState:
+    """close()'s work; also run by the garbage collector and at exit for an Exporter nobody closed."""
+    state.closer = threading.get_ident()
+    try:
+        endpoint.close()
+    except Exception:  # at exit or in the collector, a failure must cost the endpoint only
+        log.warning("closing the telemetry endpoint of %s failed", writer.path.name, exc_info=True)
+    finally:
+        writer.close()
+        state.done.set()
+    return state
+
+
 class Exporter:
     """One agent's telemetry: its store, and possibly the run's endpoint."""
 
@@ -117,25 +163,21 @@ class Exporter:
         self._writer = StoreWriter(config.directory, identity, config.enabled)
         self._recorders = self._writer.recorders
         self._transfers = self._writer.transfer_recorders
-        self._close_lock = threading.Lock()
         self._closed = False
+        self._reclaim_failed = False
         try:
-            self._start_endpoint(config, agent_name)
+            self._endpoint, self._owners = _start_endpoint(config, agent_name)
         except BaseException:
             self._writer.close()  # never leave a locked store behind a failed constructor
             raise
-        _exporters.add(self)
-
-    def _start_endpoint(self, config: Config, agent_name: str) -> None:
-        """Run the election (serving if won) and report other live owners."""
-        election = OwnerElection(config.directory, config.address)
-        self._owners = owners = OwnerWatch(config.directory, config.address)
-        collector = Collector(config.directory, config.stale_ttl_s)
-        app = MetricsApp(collector, lambda: self._endpoint.owner_info(agent_name, "in-process"),
-                         lambda: health_warnings(owners, election), on_scrape=owners.poll)
-        self._endpoint = ScrapeEndpoint(election, config.host, config.port, app)
         self._next_claim_ns = self._endpoint.claim()
-        owners.poll()
+        self._owners.poll()
+        # Dropped without close(), the Exporter is released by the garbage collector exactly as close()
+        # would: its state holds the endpoint and the writer, neither of which refers back to the Exporter
+        # (the web app's callbacks close over the endpoint, not self), or it could never be collected.
+        self._finalizer_state = _CloseState()
+        self._finalizer = weakref.finalize(self, _release, self._endpoint, self._writer, self._finalizer_state)
+        _exporters.add(self)
 
     # -- properties -----------------------------------------------------
 
@@ -169,9 +211,18 @@ class Exporter:
             self._reclaim()
 
     def _reclaim(self) -> None:
-        if not self._closed:
+        """Re-run the election (or, serving, check it); never raises: recording must go on regardless."""
+        if self._closed:
+            return
+        try:
             self._next_claim_ns = self._endpoint.claim()
             self._owners.poll()
+        except Exception:
+            self._next_claim_ns = time.monotonic_ns() + BACKOFF_NS
+            if not self._reclaim_failed:
+                self._reclaim_failed = True
+                log.warning("re-running the owner election for %s failed; recording goes on and the election "
+                            "is retried every %d s", self.address, BACKOFF_NS // 1_000_000_000, exc_info=True)
 
     def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
         """The four events NIXL records for one completed transfer.
@@ -208,16 +259,19 @@ class Exporter:
     def close(self) -> None:
         """Stop serving (port freed before the election), then close the store.
 
-        Idempotent and safe from several threads.  The store file stays, with
-        its final values, until the owner reaps it after the stale TTL.
+        Idempotent, safe from several threads at once, from a signal handler
+        and from atexit.  When it returns the port is free and the election
+        released, except in a signal handler that interrupted this same
+        thread's takeover or close(): the interrupted code finishes the job
+        when it resumes.  The store file stays, with its final values, until
+        the owner reaps it after the stale TTL.
         """
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._next_claim_ns = NEVER
-        self._endpoint.close()
-        self._writer.close()
+        self._closed = True  # plain stores, no lock: a signal handler may interrupt anything below
+        self._next_claim_ns = NEVER
+        if self._finalizer() is None:  # closed, or being closed, already
+            state = self._finalizer_state
+            if state.closer != threading.get_ident():
+                state.done.wait(_CLOSE_WAIT_S)
         _exporters.discard(self)
 
     def __enter__(self) -> Exporter:
@@ -234,7 +288,6 @@ class Exporter:
     def _after_fork_in_child(self) -> None:
         # The endpoint and writer have their own fork hooks; a child starts as
         # a writer that may join the election on its next export.
-        self._close_lock = threading.Lock()
         if not self._closed:
             self._next_claim_ns = 0
 

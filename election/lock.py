@@ -33,6 +33,8 @@ _warner = OnceWarner(log)
 _OPEN_FLAGS = os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
 _PROBE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _WOULD_BLOCK = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
+# Shortages of the process or the system: they say nothing about the lock file, and pass.
+SCARCE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 def lock_file_name(address: str) -> str:
@@ -85,6 +87,7 @@ class OwnerElection:
     _fd: int | None = None
     held: bool = False
     problem: str | None = None  # why the lock is unusable, when it is
+    shortage: str | None = None  # why the last try could not tell (EMFILE, ...): not a verdict on the lock
 
     @property
     def path(self) -> Path:
@@ -99,8 +102,13 @@ class OwnerElection:
                 self._fd = self._open()
             won = try_lock(self._fd)
         except OSError as exc:
+            if exc.errno in SCARCE:
+                # Out of descriptors (or memory) for now: falling back to the bind would demote the
+                # election for good over a passing shortage.  Stay out of it and let the caller retry.
+                self.shortage = os.strerror(exc.errno)
+                return Outcome.LOST
             return self._fallback(os.strerror(exc.errno or 0) if exc.errno else str(exc))
-        self.problem = None
+        self.problem = self.shortage = None
         self.held = won
         return Outcome.WON if won else Outcome.LOST
 
@@ -135,6 +143,41 @@ class OwnerElection:
                 pass  # closing below releases it anyway
         self.held = False
         self._close_fd()
+
+    def lock_file_replaced(self) -> bool:
+        """While held: whether the lock file at our path is no longer the one we hold.
+
+        Someone removed the directory (or the file) and a new one took its place:
+        ranks starting now elect on the new file and could win it while we serve.
+        """
+        if not self.held or self._fd is None:
+            return False
+        try:
+            current = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return True  # gone (or unreachable): not what we hold either
+        return not os.path.samestat(current, os.fstat(self._fd))
+
+    def move_to_current(self) -> bool:
+        """While held: lock the file now at our path instead of the one we hold.
+
+        True if we hold the new file (and released the old), False if another
+        process holds it (we still hold the old one); OSError if the new file
+        cannot be opened (e.g. the directory is not back yet).
+        """
+        fd = self._open()
+        try:
+            won = try_lock(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if not won:
+            os.close(fd)
+            return False
+        old, self._fd = self._fd, fd
+        if old is not None:
+            os.close(old)  # the old file is unlinked: nobody can be waiting for it
+        return True
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the inherited descriptor WITHOUT unlocking.
