@@ -1,0 +1,526 @@
+"""The library never hurts its host: fork storms, descriptor and thread limits, signals, exit, garbage
+collection, a replaced directory.  Each test runs the hostile condition for real (resource.setrlimit, os.fork,
+pthread_kill, rmtree) in a child process where it would harm the suite, with bounded waits: a hang fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import (
+    PROJECT_ROOT,
+    can_bind,
+    child_env,
+    exporter_env,
+    free_port,
+    healthz,
+    hold_flock,
+    http_request,
+    listening_socket,
+    metrics_url,
+    start_exporter_rank,
+    start_rank,
+    wait_for_metrics,
+    wait_until,
+)
+from support import reaper_fixture as reaper  # noqa: F401  (pytest fixture)
+from support_reliability import lock_is_free
+
+from app import Exporter
+from election import lock_file_name
+from store import EventType
+
+pytestmark = pytest.mark.reliability
+
+# Imported by every child script: logging on stderr, one JSON answer per line on stdout, commands on stdin, and
+# the two real limits the tests impose.
+CHILD_PRELUDE = textwrap.dedent("""
+    import json, logging, os, random, resource, signal, socket, sys, threading, time
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    from app import Exporter
+    from store import EventType as E
+
+    def say(**doc):
+        sys.stdout.write(json.dumps(doc) + "\\n")
+        sys.stdout.flush()
+
+    def command():
+        return sys.stdin.readline().strip()
+
+    def exhaust_descriptors(leave):
+        # A low RLIMIT_NOFILE, then every descriptor but `leave` taken: what a rank that leaks files hits.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+        fillers = []
+        while True:
+            try:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for _ in range(leave):
+            os.close(fillers.pop())
+        return lambda: ([os.close(fd) for fd in fillers], resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+
+    def limit_threads():
+        # RLIMIT_AS just above what is mapped: no room for a new thread's stack.
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 20), hard))
+        try:
+            threading.Thread(target=lambda: None).start()
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("RLIMIT_AS did not stop a thread from starting")
+        return lambda: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+""")
+
+
+def run_child(script: str, env: dict[str, str], timeout: float, args: tuple[str, ...] = ()) -> tuple[Any, str]:
+    """Run CHILD_PRELUDE + script to completion (killed after ``timeout`` s: a hang fails); (last answer, stderr)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(script), *args],
+                              cwd=PROJECT_ROOT, env=child_env(env), capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the child hung (killed after {timeout} s); stderr:\n{exc.stderr}") from None
+    assert done.returncode == 0, f"rc={done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr
+    return json.loads(lines[-1]), done.stderr
+
+
+def rank_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
+    return exporter_env(directory, port, **extra)
+
+
+# -- item: a forked child never holds the parent's listener ---------------------------------------------------
+
+FORK_STORM = """
+    port, forks_wanted, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    stop = threading.Event()
+    cycles = [0]
+
+    def churn():  # back-to-back takeovers and closes: the listener is always being created or closed
+        while not stop.is_set():
+            e = Exporter("churn")
+            e.export_event(E.AGENT_TX_BYTES, 1)
+            e.close()
+            cycles[0] += 1
+
+    def holds_listener():
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                s = socket.socket(fileno=int(name))
+            except OSError:
+                continue  # not a socket
+            try:
+                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and s.getsockname()[1] == port:
+                    return True
+            except OSError:
+                pass
+            finally:
+                s.detach()
+        return False
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    forks = leaks = 0
+    rng = random.Random(7)
+    deadline = time.monotonic() + seconds
+    while forks < forks_wanted and time.monotonic() < deadline:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(3 if holds_listener() else 0)
+        _, status = os.waitpid(pid, 0)
+        forks += 1
+        leaks += os.waitstatus_to_exitcode(status) == 3
+        time.sleep(rng.uniform(0, 0.004))
+    stop.set()
+    churner.join()
+    say(forks=forks, leaks=leaks, cycles=cycles[0])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_fork_storm_during_takeovers_and_closes_never_leaks_the_listener(tmp_dir):
+    port = free_port()
+    result, stderr = run_child(FORK_STORM, rank_env(tmp_dir, port), timeout=90, args=(str(port), "400", "20"))
+    assert result["forks"] >= 100 and result["cycles"] >= 10, result  # the storm really ran
+    assert result["leaks"] == 0, f"{result['leaks']} of {result['forks']} children held the listener"
+    assert "Traceback" not in stderr, stderr
+    assert can_bind(port)
+
+
+# -- items: a takeover that cannot start serving gives the election back; exports never raise for it ----------
+
+STARVED_TAKEOVER = """
+    limit = sys.argv[1]
+    exp = Exporter("starved")
+    say(serving=exp.serving)
+    assert command() == "limit"
+    lift = limit_threads() if limit == "threads" else exhaust_descriptors(int(limit.split("-")[1]))
+    say(limited=True)
+    assert command() == "record"  # the owner is dead now: every export below may try to take over
+    errors, n = [], 0
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        try:
+            exp.record_transfer(10, 1, 64, True)
+            exp.export_event(E.AGENT_TX_BYTES, 5)
+            exp.record_error("backend")
+        except Exception as exc:
+            errors.append(repr(exc))
+        n += 1
+        time.sleep(0.002)
+    say(serving=exp.serving, errors=errors[:5], n=n)
+    assert command() == "lift"
+    lift()
+    deadline = time.monotonic() + 20
+    while not exp.serving and time.monotonic() < deadline:
+        exp.export_event(E.AGENT_TX_BYTES, 1)
+        time.sleep(0.05)
+    say(serving=exp.serving)
+    assert command() == "exit"
+    exp.close()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("limit", ["descriptors-0", "descriptors-1", "threads"])
+def test_takeover_without_resources_releases_the_election_and_exports_never_raise(tmp_dir, reaper, limit):  # noqa: F811
+    """descriptors-0: no descriptor for the socket; descriptors-1: bound, but none for werkzeug's copy;
+    threads: bound, but no thread.  Each time: no export raises, one warning, the election is free for another
+    rank (which takes over), and once the limit lifts the rank serves, elected by flock (no fallback)."""
+    port = free_port()
+    lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+    os.close(os.open(lock, os.O_CREAT | os.O_WRONLY, 0o600))
+    holder = hold_flock(reaper, lock)  # the owner, for now
+    child = start_rank(reaper, CHILD_PRELUDE + textwrap.dedent(STARVED_TAKEOVER), rank_env(tmp_dir, port),
+                       args=(limit,))
+
+    def ask(cmd: str | None = None, timeout: float = 30) -> dict[str, Any]:
+        if cmd is not None:
+            child.send(cmd)
+        return json.loads(child.readline(timeout))
+
+    assert ask()["serving"] is False
+    assert ask("limit")["limited"]
+    holder.kill()  # the owner dies while the rank cannot serve
+    starved = ask("record")
+    assert starved["errors"] == [] and starved["n"] > 0, starved
+    assert starved["serving"] is False
+    assert lock_is_free(lock), "the starved rank kept the election"
+    other = start_exporter_rank(reaper, tmp_dir, port, agent="other", tick_hz=20)  # so another rank takes over
+    wait_until(other.serving, timeout=15, message="another rank to take the address over")
+    assert healthz(port)["owner"]["pid"] == other.pid
+    other.kill()
+    assert ask("lift", timeout=40)["serving"] is True  # the limit gone, the starved rank serves
+    doc = healthz(port)
+    assert doc["owner"]["pid"] == child.pid and doc["owner"]["election"] == "flock", doc["owner"]
+    assert not [w for w in doc["warnings"] if w["kind"] == "unusable-lock"], doc["warnings"]
+    child.send("exit")
+    child.proc.wait(timeout=30)
+    log = child.stderr_text()
+    warnings = [line for line in log.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "cannot serve" in warnings[0], log
+    assert ("can't start new thread" if limit == "threads" else "Too many open files") in warnings[0], warnings
+    assert "the port Too many" not in log and "unusable" not in log and "Traceback" not in log, log
+
+
+# -- item: close() from a signal handler and at exit ----------------------------------------------------------
+
+PELTER = """
+import os, random, signal, sys, time
+target, rng = int(sys.argv[1]), random.Random(3)
+while os.getppid() == target:
+    os.kill(target, signal.SIGTERM)
+    time.sleep(rng.uniform(0, 0.0002))
+"""
+
+SIGNALLED_TAKEOVERS = """
+    iterations, seconds = int(sys.argv[1]), float(sys.argv[2])
+    current = [None]
+    handled = [0]
+
+    def on_term(signo, frame):  # what a rank's SIGTERM handler does: close the exporter
+        exp, current[0] = current[0], None
+        if exp is not None:
+            exp.close()
+            handled[0] += 1
+
+    signal.signal(signal.SIGTERM, on_term)
+    # SIGTERMs from another process (a thread of ours would wait for the GIL and always land between calls),
+    # every few tens of microseconds; it exits when we do.
+    import subprocess
+    pelter = subprocess.Popen([sys.executable, "-c", PELTER, str(os.getpid())])
+    done = 0
+    deadline = time.monotonic() + seconds
+    while done < iterations and time.monotonic() < deadline:
+        owner = Exporter("owner")
+        writers = [Exporter(f"writer-{i}") for i in range(10)]  # each loses to the owner
+        time.sleep(0.25)  # past the writers' re-election period: their next export re-runs the election
+        owner.close()
+        for writer in writers:  # each takes the address over in turn ...
+            current[0] = writer  # ... while SIGTERMs land
+            end = time.monotonic() + 2
+            while current[0] is not None and time.monotonic() < end:
+                writer.export_event(E.AGENT_TX_BYTES, 1)
+            current[0] = None
+            writer.close()
+            done += 1
+    pelter.kill()
+    pelter.wait()
+    serving_threads = [t.name for t in threading.enumerate() if t.name.startswith("nixl-metrics")]
+    say(iterations=done, handled=handled[0], threads=serving_threads)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_close_from_a_signal_handler_during_takeovers_never_hangs(tmp_dir):
+    port = free_port()
+    result, stderr = run_child(SIGNALLED_TAKEOVERS.replace("PELTER", repr(PELTER)), rank_env(tmp_dir, port),
+                               timeout=90, args=("400", "30"))
+    assert result["iterations"] >= 100 and result["handled"] >= 100, result
+    assert result["threads"] == [], result
+    assert "Traceback" not in stderr, stderr
+    assert can_bind(port) and lock_is_free(tmp_dir / lock_file_name(f"127.0.0.1:{port}"))
+
+
+EXIT_DURING_TAKEOVERS = """
+    delay = float(sys.argv[1])
+
+    def churn():
+        while True:
+            owner = Exporter("owner")
+            writer = Exporter("writer")
+            owner.close()
+            writer.export_event(E.AGENT_TX_BYTES, 1)  # takes over
+            # writer is dropped without close(): the garbage collector or atexit releases it
+
+    threading.Thread(target=churn, daemon=True).start()
+    time.sleep(delay)
+    say(exiting=True)
+    sys.exit(0)  # atexit (the Exporters' finalizers) runs while the thread is anywhere in a takeover
+"""
+
+
+@pytest.mark.timeout(120)
+def test_exit_while_another_thread_takes_over_is_prompt(tmp_dir):
+    port = free_port()
+    for delay in ("0.05", "0.2", "0.35", "0.5", "0.8"):
+        result, stderr = run_child(EXIT_DURING_TAKEOVERS, rank_env(tmp_dir, port), timeout=20, args=(delay,))
+        assert result == {"exiting": True}
+        assert "Traceback" not in stderr, stderr
+        assert can_bind(port)
+
+
+# -- item: EMFILE on accept backs off, and the endpoint answers again once descriptors return ----------------
+
+ACCEPT_STARVED = """
+    port = int(sys.argv[1])
+    exp = Exporter("busy")
+    assert exp.serving
+    exp.export_event(E.AGENT_TX_BYTES, 7)
+    serving = next(t for t in threading.enumerate() if t.name == f"nixl-metrics-{port}")
+    stat = os.open(f"/proc/self/task/{serving.native_id}/stat", os.O_RDONLY)  # opened while we still can
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_s():
+        fields = os.pread(stat, 4096, 0).decode().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lift = exhaust_descriptors(0)
+    client.connect(("127.0.0.1", port))  # pending: accept() fails with EMFILE for as long as this lasts
+    before, started = cpu_s(), time.monotonic()
+    for _ in range(200):  # the rank keeps recording meanwhile
+        exp.record_transfer(10, 1, 64, True)
+        time.sleep(0.01)
+    used, window = cpu_s() - before, time.monotonic() - started
+    lift()
+    client.settimeout(15)
+    client.sendall(b"GET /metrics HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+    reply = b""
+    while chunk := client.recv(65536):
+        reply += chunk
+    say(cpu_s=used, window_s=window, status=reply.split(b"\\r\\n", 1)[0].decode(),
+        has_metrics=b"agent_tx_bytes_total" in reply)
+    exp.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_accept_without_descriptors_backs_off_and_recovers(tmp_dir):
+    port = free_port()
+    result, stderr = run_child(ACCEPT_STARVED, rank_env(tmp_dir, port), timeout=60, args=(str(port),))
+    # A spinning accept loop burns the whole window (about 2 s) of CPU; backing off costs a few ticks.
+    assert result["cpu_s"] < 0.25 * result["window_s"], result
+    assert result["status"].endswith("200 OK") and result["has_metrics"], result
+    assert sum("cannot accept connections" in line for line in stderr.splitlines()) == 1, stderr
+
+
+# -- item: an Exporter dropped without close() is released by the garbage collector --------------------------
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(60)
+def test_dropped_exporter_is_released_like_close(tmp_dir, lock_probe):
+    port, solo_port = free_port(), free_port()
+    env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")
+    with Exporter("owner", env) as owner:
+        assert owner.serving
+        baseline_fds, baseline_threads = fd_count(), {t.ident for t in threading.enumerate()}
+
+        writer = Exporter("dropped-writer", env)
+        writer.export_event(EventType.AGENT_TX_BYTES, 1)
+        writer_store = writer.store_path
+        del writer
+        gc.collect()
+        assert lock_probe(writer_store), "the dropped writer's store is still locked"
+        assert "dropped-writer" not in [r["agent_name"] for r in healthz(port)["live"]]
+
+        class Agent:  # the usual case: the exporter is owned by an object caught in a reference cycle
+            pass
+
+        agent = Agent()
+        agent.me = agent  # type: ignore[attr-defined]
+        agent.exporter = Exporter("dropped-owner", exporter_env(tmp_dir, solo_port))  # type: ignore[attr-defined]
+        assert agent.exporter.serving  # type: ignore[attr-defined]
+        solo_store = agent.exporter.store_path  # type: ignore[attr-defined]
+        wait_for_metrics(solo_port)
+        del agent
+        gc.collect()
+        assert can_bind(solo_port), "the dropped owner still holds its port"
+        assert lock_is_free(tmp_dir / lock_file_name(f"127.0.0.1:{solo_port}")), "... and its election"
+        assert lock_probe(solo_store), "... and its store"
+        wait_until(lambda: {t.ident for t in threading.enumerate()} <= baseline_threads, timeout=10,
+                   message="the dropped owner's threads to end")
+        assert fd_count() <= baseline_fds
+        assert owner.serving
+
+
+# -- item: close() joins the scrape threads ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir):
+    port = free_port()
+    before = {t.ident for t in threading.enumerate()}
+    exp = Exporter("closing", exporter_env(tmp_dir, port))
+    assert exp.serving
+    stop = threading.Event()
+
+    def scraping() -> None:
+        while not stop.is_set():
+            try:
+                http_request(metrics_url(port, "/healthz"), timeout=2)
+            except OSError:
+                pass
+
+    scrapers = [threading.Thread(target=scraping) for _ in range(4)]
+    for t in scrapers:
+        t.start()
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+    for s in slow:
+        s.sendall(b"GET /metr")  # each holds a connection thread of ours, blocked reading
+    wait_until(lambda: sum(t.ident not in before for t in threading.enumerate()) >= 1 + 4 + 3,
+               message="the slow connections' threads")
+    exp.close()
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t not in scrapers]
+    stop.set()
+    for t in scrapers:
+        t.join(timeout=10)
+    for s in slow:
+        s.close()
+    assert left == [], f"threads of ours still running after close(): {left}"
+
+
+# -- item: the owner notices its directory was removed and recreated ----------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_replaced_directory_is_reported_and_reelected(tmp_dir, reaper):  # noqa: F811
+    port = free_port()
+    lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+    with Exporter("first", exporter_env(tmp_dir, port)) as owner:
+        assert owner.serving
+        assert healthz(port)["warnings"] == []
+        shutil.rmtree(tmp_dir)
+        tmp_dir.mkdir(mode=0o700)
+        doc = healthz(port)
+        assert [w["kind"] for w in doc["warnings"]] == ["directory-replaced"], doc["warnings"]
+        assert str(tmp_dir) in doc["warnings"][0]["message"]
+        assert not lock_is_free(lock), "the owner did not elect itself on the new lock file"
+        late = start_exporter_rank(reaper, tmp_dir, port, agent="late", tick_hz=20, log_level="INFO")
+        assert not late.serving_at_start and not late.serving()
+        assert "cannot bind" not in late.stderr()  # it lost the new election: no contradictory warning
+        assert owner.serving and healthz(port)["owner"]["pid"] == os.getpid()
+
+
+@pytest.mark.timeout(90)
+def test_rank_started_in_the_replaced_directory_never_makes_a_second_owner(tmp_dir, reaper):  # noqa: F811
+    """The new rank wins the new lock file before the owner checks, cannot bind, and gives it back; the owner
+    re-elects itself on it at its next scrape; the new rank, retrying, loses: one owner throughout."""
+    port = free_port()
+    lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+    with Exporter("first", exporter_env(tmp_dir, port)) as owner:
+        assert owner.serving
+        shutil.rmtree(tmp_dir)
+        tmp_dir.mkdir(mode=0o700)
+        late = start_exporter_rank(reaper, tmp_dir, port, agent="late", tick_hz=20)
+        assert not late.serving_at_start
+        assert healthz(port)["owner"]["pid"] == os.getpid()
+        assert not lock_is_free(lock)
+        deadline = time.monotonic() + 7  # past the late rank's retry after its failed bind (5 s)
+        while time.monotonic() < deadline:
+            assert not late.serving()
+            assert owner.serving and healthz(port)["owner"]["pid"] == os.getpid()
+            time.sleep(0.2)
+
+
+# -- the bind warnings say what is true -----------------------------------------------------------------------
+
+
+def test_bind_warning_names_a_foreign_program(tmp_dir, caplog):
+    port = free_port()
+    caplog.set_level(logging.WARNING, logger="nixl_prometheus_mp")
+    foreign = listening_socket(port)
+    try:
+        with Exporter("blocked", exporter_env(tmp_dir, port)) as exp:
+            assert not exp.serving
+    finally:
+        foreign.close()
+    messages = [r.getMessage() for r in caplog.records if "cannot bind" in r.getMessage()]
+    assert len(messages) == 1 and "cannot bind it: the port is in use by another program." in messages[0], messages
+
+
+def test_ranks_disagreeing_on_bind_scope_are_told_the_truth(tmp_dir, caplog):
+    port = free_port()
+    caplog.set_level(logging.WARNING, logger="nixl_prometheus_mp")
+    with Exporter("local", exporter_env(tmp_dir, port)) as local:
+        assert local.serving
+        with Exporter("wide", exporter_env(tmp_dir, port, NIXL_TELEMETRY_PROMETHEUS_LOCAL="n")) as wide:
+            assert not wide.serving
+    messages = [r.getMessage() for r in caplog.records if f"0.0.0.0:{port}" in r.getMessage()
+                and "serve" in r.getMessage()]
+    assert len(messages) == 1, messages
+    assert f"127.0.0.1:{port} of this run already serves port {port}" in messages[0], messages
+    assert "NIXL_TELEMETRY_PROMETHEUS_LOCAL" in messages[0] and "No rank of this run" not in messages[0]
