@@ -374,6 +374,38 @@ def test_accept_without_descriptors_backs_off_and_recovers(tmp_dir):
     assert sum("cannot accept connections" in line for line in stderr.splitlines()) == 1, stderr
 
 
+THREADLESS_CONNECTION = """
+    port = int(sys.argv[1])
+    exp = Exporter("threadless")
+    assert exp.serving
+
+    def get():
+        client = socket.create_connection(("127.0.0.1", port), timeout=15)
+        client.sendall(b"GET /metrics HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+        reply = b""
+        while chunk := client.recv(65536):
+            reply += chunk
+        client.close()
+        return reply.split(b"\\r\\n", 1)[0].decode()
+
+    lift = limit_threads()
+    starved = [get(), get()]
+    lift()
+    say(starved=starved, after=get())
+    exp.close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_connection_without_a_thread_is_refused_and_the_endpoint_stays_up(tmp_dir):
+    port = free_port()
+    result, stderr = run_child(THREADLESS_CONNECTION, rank_env(tmp_dir, port), timeout=45, args=(str(port),))
+    assert [line.split(" ", 1)[1] for line in result["starved"]] == ["503 Service Unavailable"] * 2, result
+    assert result["after"].endswith("200 OK"), result
+    assert sum("cannot start a thread" in line for line in stderr.splitlines()) == 1, stderr
+    assert "Traceback" not in stderr, stderr
+
+
 # -- item: an Exporter dropped without close() is released by the garbage collector --------------------------
 
 
