@@ -105,7 +105,7 @@ def health_warnings(owners: OwnerWatch, election: OwnerElection) -> list[Warning
 
 
 def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, OwnerWatch]:
-    """The endpoint (not yet claimed) and the duplicate-owner watch of one Exporter.
+    """The endpoint (not yet claimed) and the duplicate-owner watch of one Exporter (nothing claimed yet).
 
     Nothing built here may refer to the Exporter: its finalizer keeps the endpoint alive.
     """
@@ -170,13 +170,17 @@ class Exporter:
         except BaseException:
             self._writer.close()  # never leave a locked store behind a failed constructor
             raise
-        self._next_claim_ns = self._endpoint.claim()
-        self._owners.poll()
         # Dropped without close(), the Exporter is released by the garbage collector exactly as close()
         # would: its state holds the endpoint and the writer, neither of which refers back to the Exporter
         # (the web app's callbacks close over the endpoint, not self), or it could never be collected.
         self._finalizer_state = _CloseState()
         self._finalizer = weakref.finalize(self, _release, self._endpoint, self._writer, self._finalizer_state)
+        try:
+            self._next_claim_ns = self._endpoint.claim()
+            self._owners.poll()
+        except BaseException:
+            self._finalizer()  # ... nor a bound port or a held election
+            raise
         _exporters.add(self)
 
     # -- properties -----------------------------------------------------
