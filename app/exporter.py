@@ -33,7 +33,7 @@ from app.config import (
 )
 from app.endpoint import BACKOFF_NS, NEVER, ScrapeEndpoint
 from app.web import MetricsApp, WarningDoc
-from election import OwnerElection, held_addresses_except
+from election import OwnerElection, address_is_held, held_addresses_except
 from store import EventType, StoreIdentity, StoreWriter
 from store.metrics import ERROR_EVENTS, error_status
 from store.warnonce import OnceWarner
@@ -70,8 +70,8 @@ class OwnerWatch:
     def check(self) -> list[WarningDoc]:
         """The duplicate-owners warning for /healthz (logged once per other address)."""
         others = held_addresses_except(self.directory, self.address)
-        if not others:
-            return []
+        if not others or not address_is_held(self.directory, self.address):
+            return []  # (ours not served: a rank that cannot bind says why itself, see ScrapeEndpoint)
         message = (f"{self.directory} is also served on {', '.join(others)}: every such address exports every "
                    "rank, so a Prometheus scraping more than one sees each series twice. Give every rank the same "
                    "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")

@@ -203,29 +203,35 @@ def held_addresses_except(directory: str | os.PathLike[str], address: str) -> li
     nothing about the run.
     """
     own = lock_file_name(address)
-    found: list[str] = []
     try:
-        entries = list(os.scandir(directory))
+        names = [entry.name for entry in os.scandir(directory)]
     except OSError:
-        return found
-    for entry in entries:
-        name = entry.name
-        if name == own or not (name.startswith(OWNER_LOCK_PREFIX) and name.endswith(OWNER_LOCK_SUFFIX)):
-            continue
-        try:
-            fd = os.open(entry.path, _PROBE_FLAGS)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            if try_lock(fd):
-                _unlock(fd)  # a leftover: nobody is elected there
-            else:
-                found.append(name[len(OWNER_LOCK_PREFIX):-len(OWNER_LOCK_SUFFIX)])
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return sorted(found)
+        return []
+    return sorted(name[len(OWNER_LOCK_PREFIX):-len(OWNER_LOCK_SUFFIX)] for name in names
+                  if name != own and name.startswith(OWNER_LOCK_PREFIX) and name.endswith(OWNER_LOCK_SUFFIX)
+                  and _is_held(os.path.join(directory, name)))
+
+
+def address_is_held(directory: str | os.PathLike[str], address: str) -> bool:
+    """Whether some live process (this one included) is elected on ``address``."""
+    return _is_held(os.path.join(directory, lock_file_name(address)))
+
+
+def _is_held(path: str) -> bool:
+    # A new open file description conflicts with every other one, ours included.
+    try:
+        fd = os.open(path, _PROBE_FLAGS)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        if try_lock(fd):
+            _unlock(fd)  # a leftover: nobody is elected there
+            return False
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
