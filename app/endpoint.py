@@ -46,7 +46,7 @@ _POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency
 _REQUEST_TIMEOUT_S = 10.0  # a connection is cut this long after it was accepted, whatever the client does
 MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are refused with a 503
 _STOP_JOIN_S = 5.0  # close() waits at most this long for the serving and connection threads to end
-_CLOSE_WAIT_S = 10.0  # ... and this long for another thread's takeover (a bind and a thread start) to finish
+CLOSE_WAIT_S = 10.0  # ... and this long for another thread's takeover (a bind and a thread start) to finish
 _ACCEPT_BACKOFF_MIN_S, _ACCEPT_BACKOFF_MAX_S = 0.01, 1.0  # accept() pauses while descriptors run out
 _MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs before closing
 _DRAIN_CHUNK = 64 << 10
@@ -513,7 +513,7 @@ class ScrapeEndpoint:
         signal handler and from atexit at any moment (see the class doc).
         """
         self._closed = True  # first: an interrupted claim sees it when it resumes
-        if not self._lock.acquire(timeout=_CLOSE_WAIT_S):
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
             log.warning("closing %s: another thread is stuck taking the address over; it gives it back when "
                         "it returns", self.address)
             return

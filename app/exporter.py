@@ -31,7 +31,7 @@ from app.config import (
     parse_flag,
     prepare_directory,
 )
-from app.endpoint import BACKOFF_NS, NEVER, ScrapeEndpoint
+from app.endpoint import BACKOFF_NS, CLOSE_WAIT_S, NEVER, ScrapeEndpoint
 from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, address_is_held, held_addresses_except
 from store import EventType, StoreIdentity, StoreWriter
@@ -43,7 +43,6 @@ log = logging.getLogger("nixl_prometheus_mp")
 
 _instances = itertools.count()  # agent_instance: 0, 1, ... per process
 _instances_lock = threading.Lock()
-_CLOSE_WAIT_S = 10.0  # a second closer waits at most this long for the first one to finish
 _STATUS_EVENTS = {error_status(ev): ev for ev in ERROR_EVENTS}
 
 
@@ -275,7 +274,7 @@ class Exporter:
         if self._finalizer() is None:  # closed, or being closed, already
             state = self._finalizer_state
             if state.closer != threading.get_ident():
-                state.done.wait(_CLOSE_WAIT_S)
+                state.done.wait(CLOSE_WAIT_S)  # a second closer waits (bounded) for the first
         _exporters.discard(self)
 
     def __enter__(self) -> Exporter:
