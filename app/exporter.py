@@ -104,7 +104,7 @@ def health_warnings(owners: OwnerWatch, election: OwnerElection) -> list[Warning
 
 
 def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, OwnerWatch]:
-    """The endpoint (not yet claimed) and the duplicate-owner watch of one Exporter (nothing claimed yet).
+    """The endpoint (not yet claimed) and the duplicate-owner watch of one Exporter.
 
     Nothing built here may refer to the Exporter: its finalizer keeps the endpoint alive.
     """
@@ -293,6 +293,11 @@ class Exporter:
         # a writer that may join the election on its next export.
         if not self._closed:
             self._next_claim_ns = 0
+        else:
+            # Forked while a parent thread was closing it: that thread does not exist here, so a close()
+            # in the child must not wait for it (and the inherited Event's lock may be held for ever).
+            self._finalizer_state = _CloseState()
+            self._finalizer_state.done.set()
 
 
 _exporters: weakref.WeakSet[Exporter] = weakref.WeakSet()
