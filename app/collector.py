@@ -36,7 +36,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +140,7 @@ def dedupe(result: Collection) -> None:
 
 
 class _TransientLog:
-    """Says, at most once a minute, that a scrape had to skip stores for lack of resources.
+    """Says, at most once a minute, that a scrape ran short of resources (descriptors, memory).
 
     Unlike a property of a file, which is said once, this is said again while
     it lasts (and stops by itself when it does), but never at scrape rate.
@@ -153,19 +152,15 @@ class _TransientLog:
         self._next = 0.0
         self._lock = threading.Lock()
 
-    def report(self, problems: Iterable[Unreadable]) -> None:
-        problems = list(problems)
-        if not problems:
-            return
+    def warn(self, what: str) -> None:
         with self._lock:
             now = time.monotonic()
             if now < self._next:
                 return
             self._next = now + self.INTERVAL_S
-        log.warning("this scrape skipped %d store(s) (%s: %s): the serving process ran short of resources, "
-                    "nothing is wrong with the files; they are read again on the next scrape. If this repeats, "
-                    "raise the descriptor limit (ulimit -n) of the serving process", len(problems),
-                    problems[0].path.name, problems[0].reason)
+        log.warning("%s: the serving process ran short of resources, nothing is wrong with the files; the next "
+                    "scrape tries again. If this repeats, raise the descriptor limit (ulimit -n) of the serving "
+                    "process", what)
 
 
 _transient_log = _TransientLog()
@@ -192,7 +187,9 @@ class Collector:
             outcome = self._collect_one(self.directory / name, now, result)
             if outcome is not None:
                 skipped.append(outcome)
-        _transient_log.report(skipped)
+        if skipped:
+            _transient_log.warn(f"this scrape skipped {len(skipped)} store(s) ({skipped[0].path.name}: "
+                                f"{skipped[0].reason})")
         dedupe(result)
         return result
 
@@ -200,7 +197,7 @@ class Collector:
         """The directory could not be listed: an empty collection that says why."""
         result.scan_error = f"cannot list {self.directory}: {os.strerror(exc.errno or 0)}"
         if exc.errno in TRANSIENT_ERRNOS:
-            _transient_log.report([Unreadable(self.directory, result.scan_error, transient=True)])
+            _transient_log.warn(f"{result.scan_error}; /metrics is empty for this scrape")
         else:
             _warner.warn(("scan", result.scan_error), "%s; /metrics is empty until it can be read again",
                          result.scan_error)
