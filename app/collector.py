@@ -181,10 +181,9 @@ class Collector:
         except OSError as exc:
             self.scan_failed(exc, result)
             return result
-        now = time.monotonic_ns()
         skipped: list[Unreadable] = []
         for name in names:
-            outcome = self._collect_one(self.directory / name, now, result)
+            outcome = self._collect_one(self.directory / name, result)
             if outcome is not None:
                 skipped.append(outcome)
         if skipped:
@@ -202,7 +201,7 @@ class Collector:
             _warner.warn(("scan", result.scan_error), "%s; /metrics is empty until it can be read again",
                          result.scan_error)
 
-    def _collect_one(self, path: Path, now: int, result: Collection) -> Unreadable | None:
+    def _collect_one(self, path: Path, result: Collection) -> Unreadable | None:
         """Read one store into ``result``; a transient failure is returned for the scrape's summary."""
         fd = open_store(path)
         if isinstance(fd, Unreadable):
@@ -217,13 +216,19 @@ class Collector:
             if isinstance(content, InvalidStore):
                 self.invalid(fd, content, alive, result)
             else:
-                self.place(fd, content, alive, now, result)
+                self.place(fd, content, alive, time.monotonic_ns(), result)
         finally:
             os.close(fd)
         return None
 
     def place(self, fd: int, snap: Snapshot, alive: bool, now: int, result: Collection) -> None:
-        """Publish a valid store as live or departed, or reap it (``fd``: its open descriptor, for the reap)."""
+        """Publish a valid store as live or departed, or reap it (``fd``: its open descriptor, for the reap).
+
+        ``now`` is CLOCK_MONOTONIC read *after* the store's bytes were read:
+        a stamp written before our read can then never be ahead of it, so a
+        writer that updated and exited while we were scanning is not taken
+        for a store from another boot.
+        """
         if alive:
             # A writer in another time namespace can be "in the future": age 0.
             result.live.append(RankView(snap, True, max(0, now - snap.last_update_ns) / 1e9, None))

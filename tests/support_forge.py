@@ -31,14 +31,27 @@ def store_bytes(pid: int, instance: int, agent_name: str, hostname: str, local_r
 def forge_store(directory: Path, *, pid: int, instance: int = 0, run_marker: int = 1, agent_name: str = "forged",
                 hostname: str = "host-f", local_rank: str = "", bounds: tuple[float, ...] = (10.0, 100.0),
                 value: int = 0, last_update: int | None = None, name: str | None = None) -> Path:
-    """Write a departed (unlocked) store: ``value`` in every counter, gauge, bucket and sum; stamped now by default."""
+    """Write a departed (unlocked) store: ``value`` in every counter, gauge, bucket and sum; stamped now by default.
+
+    Rewriting an existing store replaces its file (a new inode): a process holding the old one's lock does not
+    hold the new one's.
+    """
     slots = L.SLOT_COUNT
     data = store_bytes(pid, instance, agent_name, hostname, local_rank, bounds, [value] * slots, [value] * slots,
                        [value] * (slots * L.BUCKET_SLOTS), [value] * slots,
                        time.monotonic_ns() if last_update is None else last_update)
     path = directory / (name or L.store_file_name(pid, run_marker, instance))
-    path.write_bytes(data)
+    staging = path.with_name(f".{path.name}.forging")
+    staging.write_bytes(data)
+    staging.replace(path)  # whole or not at all, as writers publish: a reader never sees it half written
     return path
+
+
+def stamp(path: Path, last_update: int) -> None:
+    """Rewrite a store's last-update stamp in place, as its writer would (flock is advisory: any store will do)."""
+    with path.open("r+b") as f:
+        f.seek(L.LAST_UPDATE_FIELD[0])
+        f.write(last_update.to_bytes(8, "little"))
 
 
 _SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)')

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from support import DEADLINE_S, child_env, hold_flock, reaper_fixture  # noqa: F401  (pytest fixture)
-from support_forge import forge_store, raw_samples
+from support_forge import forge_store, raw_samples, stamp
 from werkzeug.test import Client
 
 from app.collector import Collector
@@ -145,7 +145,7 @@ def test_a_restarted_rank_with_its_predecessors_labels_is_published_once(tmp_dir
     assert predecessor.exists()
 
     # past its TTL the loser is reaped as any departed store, and the warning goes with it
-    forge_store(tmp_dir, run_marker=200, value=500, last_update=now - 120 * 10**9, **labels)
+    stamp(predecessor, now - 120 * 10**9)
     assert tx_bytes(metrics(client)) == {("1", "0"): "7", ("1", "1"): "9"}
     assert not predecessor.exists()
     assert duplicate_warnings(healthz(client)) == []
@@ -173,7 +173,7 @@ def test_between_live_duplicates_the_later_started_is_published_every_time(tmp_d
         hold_flock(reaper, path)
     client = app_for(tmp_dir, ttl=0)
     for touched in (first, second, first):
-        forge_store(tmp_dir, run_marker=int(touched.name.split(".")[2]), value=int(touched == second) + 1, **labels)
+        stamp(touched, time.monotonic_ns())
         assert tx_bytes(metrics(client)) == {("1", "0"): "2"}
         doc = healthz(client)
         assert [r["store"] for r in doc["live"]] == [second.name]
