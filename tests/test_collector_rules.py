@@ -26,10 +26,8 @@ from werkzeug.test import Client
 
 from app.collector import Collector
 from app.web import MetricsApp
-from store import EventType, StoreWriter
 from store.layout import STORE_SIZE
 
-E = EventType
 HOUR_NS = 3600 * 10**9
 NOBODY = 65534
 
