@@ -4,6 +4,28 @@ Run on every scrape.  Nothing here may fail the scrape as a whole: one bad
 file, a writer racing us, another scraper reaping the same store, or an
 unreadable directory each cost at most that file (or an empty exposition),
 and each is reported as a warning in /healthz.
+
+The rules, each in its own function so that every scan path applies them the
+same way:
+
+* ``is_store_name``: only ``nixl.<pid>.<run_marker>.<instance>.mmap`` (ASCII
+  decimal numbers) is a store; nothing else is ever opened, published or
+  reaped.
+* ``Collector.place``: a store whose writer holds its lock is live and always
+  published.  A departed store is published until it has not been updated for
+  the stale TTL, then reaped.  Ages are measured on this host's
+  CLOCK_MONOTONIC, the clock writers stamp their stores with, so they are only
+  meaningful between processes of one boot and one time namespace; a departed
+  store stamped *ahead* of our clock (a persistent directory after a reboot, a
+  writer in another time namespace) has an age nobody can know, so it is
+  reaped at once, as the C++ plug-in does; a live one is published with age 0.
+* ``Collector.invalid``: a store-named file whose bytes are not a store is
+  reaped (with a warning) once no process holds it; held, it is skipped and
+  listed in /healthz.  ``Collector.unreadable``: a file that cannot be read
+  (another user's, a symlink, a FIFO, a directory, unreadable mode) is never
+  reaped and is listed; running out of descriptors is the reader's problem, not
+  the file's, and is reported as such.
+* ``dedupe``: no two published stores ever carry the same label set.
 """
 
 from __future__ import annotations
@@ -12,16 +34,28 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from store.layout import STORE_PREFIX, STORE_SUFFIX
-from store.reader import InvalidStore, Snapshot, Unreadable, open_store, probe_alive, read_fd, warn_foreign
+from store.layout import is_store_name, parse_store_name
+from store.reader import (
+    TRANSIENT_ERRNOS,
+    InvalidStore,
+    Snapshot,
+    Unreadable,
+    open_store,
+    probe_alive,
+    read_fd,
+    warn_foreign,
+)
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.collector")
 _warner = OnceWarner(log)
+
+__all__ = ["Collection", "Collector", "RankView", "dedupe", "is_store_name", "label_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +81,91 @@ class Collection:
         return [r.snapshot for r in ranks]
 
 
+def label_key(snap: Snapshot) -> tuple[str, str, int, int, str]:
+    """The label set every series of a store carries (hostname, agent_name, pid, agent_instance, local_rank)."""
+    return snap.hostname, snap.agent_name, snap.pid, snap.instance, snap.local_rank
+
+
+def _precedence(view: RankView) -> tuple[bool, int, str]:
+    """Which of two stores with one label set is published: the greater.
+
+    A live store beats a departed one (it is the process that still counts).
+    Between two live ones (two pid namespaces sharing a hostname can both run
+    pid 1 with the same agent name) the one started last wins, by the
+    CLOCK_REALTIME run marker in its name, so the choice does not flip from
+    scrape to scrape.  Between departed ones the last updated wins.  The file
+    name breaks the remaining ties, so every reader chooses the same store.
+    """
+    snap = view.snapshot
+    if view.alive:
+        parsed = parse_store_name(snap.name)
+        return True, parsed[1] if parsed else 0, snap.name
+    return False, snap.last_update_ns, snap.name
+
+
+def dedupe(result: Collection) -> None:
+    """Drop from ``result`` every store whose label set a preferred store also has.
+
+    A restarted rank in its own pid namespace (a container) often gets the
+    same pid, agent name and instance as the predecessor it replaces; both
+    stores then describe the same series.  Publishing both is an invalid
+    exposition and leaves Prometheus with whichever sample it read last, so
+    only the preferred one (see ``_precedence``) is published; Prometheus sees
+    a counter reset.  The others stay on disk, are reaped by the usual rules,
+    and are listed in /healthz as "duplicate-labels" warnings meanwhile.
+    """
+    views = result.live + result.stale
+    winners: dict[tuple[str, str, int, int, str], RankView] = {}
+    for view in views:
+        key = label_key(view.snapshot)
+        best = winners.get(key)
+        if best is None or _precedence(view) > _precedence(best):
+            winners[key] = view
+    if len(winners) == len(views):
+        return
+    keep = {id(view) for view in winners.values()}
+    result.live = [v for v in result.live if id(v) in keep]
+    result.stale = [v for v in result.stale if id(v) in keep]
+    for view in sorted((v for v in views if id(v) not in keep), key=lambda v: v.snapshot.name):
+        snap, winner = view.snapshot, winners[label_key(view.snapshot)].snapshot
+        message = (f"{snap.name} ({'live' if view.alive else 'departed'}) has the same labels as {winner.name} "
+                   f"(agent_name={snap.agent_name!r}, pid={snap.pid}, agent_instance={snap.instance}, "
+                   f"hostname={snap.hostname!r}, local_rank={snap.local_rank!r}) and is not published; "
+                   "ranks in separate pid namespaces (containers) can reuse a pid: give their agents "
+                   "distinct names or NIXL_TELEMETRY_RANK_ENV values")
+        result.warnings.append({"kind": "duplicate-labels", "message": message,
+                                "details": {"file": str(snap.path), "published": str(winner.path),
+                                            "alive": view.alive}})
+        _warner.warn(("duplicate", snap.name), "%s", message)
+
+
+class _TransientLog:
+    """Says, at most once a minute, that a scrape ran short of resources (descriptors, memory).
+
+    Unlike a property of a file, which is said once, this is said again while
+    it lasts (and stops by itself when it does), but never at scrape rate.
+    """
+
+    INTERVAL_S = 60.0
+
+    def __init__(self) -> None:
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def warn(self, what: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                return
+            self._next = now + self.INTERVAL_S
+        log.warning("%s: the serving process ran short of resources, nothing is wrong with the files; the next "
+                    "scrape tries again. If this repeats, raise the descriptor limit (ulimit -n) of the serving "
+                    "process", what)
+
+
+_transient_log = _TransientLog()
+
+
 class Collector:
     """Reads a directory of stores into a Collection; reaps what is done."""
 
@@ -58,52 +177,82 @@ class Collector:
     def collect(self) -> Collection:
         result = Collection()
         try:
-            names = [e.name for e in os.scandir(self.directory)
-                     if e.name.startswith(STORE_PREFIX) and e.name.endswith(STORE_SUFFIX)]
+            names = [e.name for e in os.scandir(self.directory) if is_store_name(e.name)]
         except OSError as exc:
-            result.scan_error = f"cannot list {self.directory}: {os.strerror(exc.errno or 0)}"
-            _warner.warn(("scan", result.scan_error), "%s; /metrics is empty until it can be read again",
-                         result.scan_error)
+            self.scan_failed(exc, result)
             return result
-        now = time.monotonic_ns()
+        skipped: list[Unreadable] = []
         for name in names:
-            self._collect_one(self.directory / name, now, result)
+            outcome = self._collect_one(self.directory / name, result)
+            if outcome is not None:
+                skipped.append(outcome)
+        if skipped:
+            _transient_log.warn(f"this scrape skipped {len(skipped)} store(s) ({skipped[0].path.name}: "
+                                f"{skipped[0].reason})")
+        dedupe(result)
         return result
 
-    def _collect_one(self, path: Path, now: int, result: Collection) -> None:
+    def scan_failed(self, exc: OSError, result: Collection) -> None:
+        """The directory could not be listed: an empty collection that says why."""
+        result.scan_error = f"cannot list {self.directory}: {os.strerror(exc.errno or 0)}"
+        if exc.errno in TRANSIENT_ERRNOS:
+            _transient_log.warn(f"{result.scan_error}; /metrics is empty for this scrape")
+        else:
+            _warner.warn(("scan", result.scan_error), "%s; /metrics is empty until it can be read again",
+                         result.scan_error)
+
+    def _collect_one(self, path: Path, result: Collection) -> Unreadable | None:
+        """Read one store into ``result``; a transient failure is returned for the scrape's summary."""
         fd = open_store(path)
         if isinstance(fd, Unreadable):
-            self._unreadable(fd, result)
-            return
+            return self.unreadable(fd, result)
         try:
             # Probe before reading: a writer that dies in between then only
             # makes us publish values that were final anyway.
             alive = probe_alive(fd)
             content = read_fd(fd, path)
             if isinstance(content, Unreadable):
-                self._unreadable(content, result)
-            elif isinstance(content, InvalidStore):
-                self._invalid(fd, content, alive, result)
+                return self.unreadable(content, result)
+            if isinstance(content, InvalidStore):
+                self.invalid(fd, content, alive, result)
             else:
-                self._snapshot(fd, content, alive, now, result)
+                self.place(fd, content, alive, time.monotonic_ns(), result)
         finally:
             os.close(fd)
+        return None
 
-    def _snapshot(self, fd: int, snap: Snapshot, alive: bool, now: int, result: Collection) -> None:
-        # A writer in another time namespace could be "in the future": age 0.
-        age_ns = max(0, now - snap.last_update_ns)
+    def place(self, fd: int, snap: Snapshot, alive: bool, now: int, result: Collection) -> None:
+        """Publish a valid store as live or departed, or reap it (``fd``: its open descriptor, for the reap).
+
+        ``now`` is CLOCK_MONOTONIC read *after* the store's bytes were read:
+        a stamp written before our read can then never be ahead of it, so a
+        writer that updated and exited while we were scanning is not taken
+        for a store from another boot.
+        """
         if alive:
-            result.live.append(RankView(snap, True, age_ns / 1e9, None))
-        elif age_ns > self._ttl_ns:
+            # A writer in another time namespace can be "in the future": age 0.
+            result.live.append(RankView(snap, True, max(0, now - snap.last_update_ns) / 1e9, None))
+            return
+        if snap.last_update_ns > now:
+            if self._reap(fd, snap.path):
+                log.info("reaped %s (agent %r, pid %d): departed, and stamped %.1f s ahead of this host's "
+                         "monotonic clock (written before a reboot, or in another time namespace), so its age "
+                         "cannot be known", snap.name, snap.agent_name, snap.pid, (snap.last_update_ns - now) / 1e9)
+            else:
+                result.stale.append(RankView(snap, False, 0.0, 0.0))
+            return
+        age_ns = now - snap.last_update_ns
+        if age_ns > self._ttl_ns:
             if self._reap(fd, snap.path):
                 log.info("reaped %s (agent %r, pid %d): departed and not updated for %.1f s, past the %.1f s TTL",
-                         snap.path.name, snap.agent_name, snap.pid, age_ns / 1e9, self.stale_ttl_s)
+                         snap.name, snap.agent_name, snap.pid, age_ns / 1e9, self.stale_ttl_s)
             else:
                 result.stale.append(RankView(snap, False, age_ns / 1e9, 0.0))
         else:
             result.stale.append(RankView(snap, False, age_ns / 1e9, (self._ttl_ns - age_ns) / 1e9))
 
-    def _invalid(self, fd: int, bad: InvalidStore, alive: bool, result: Collection) -> None:
+    def invalid(self, fd: int, bad: InvalidStore, alive: bool, result: Collection) -> None:
+        """A store-named file of ours whose bytes are not a store: reaped once nobody holds it."""
         if not alive and self._reap(fd, bad.path):
             log.warning("reaped %s: it is not a valid schema-1 store (%s) and no process holds it",
                         bad.path.name, bad.reason)
@@ -113,9 +262,21 @@ class Collector:
                      "sharing the directory?", message)
         result.warnings.append({"kind": "invalid-store", "message": message, "details": {"file": str(bad.path)}})
 
-    def _unreadable(self, bad: Unreadable, result: Collection) -> None:
+    @staticmethod
+    def unreadable(bad: Unreadable, result: Collection) -> Unreadable | None:
+        """A store-named file we could not read: never reaped; listed in /healthz unless it is simply gone.
+
+        Returns ``bad`` when the failure was the reader's (out of descriptors
+        or memory), for ``collect`` to summarise once per scrape.
+        """
         if bad.missing:
-            return  # reaped by another scraper since we listed the directory
+            return None  # reaped by another scraper since we listed the directory
+        if bad.transient:
+            result.warnings.append({"kind": "transient-read-error",
+                                    "message": f"{bad.path.name} could not be opened: {bad.reason}; nothing is "
+                                               "wrong with the file, it is read again on the next scrape",
+                                    "details": {"file": str(bad.path)}})
+            return bad
         if bad.foreign:
             warn_foreign(bad)
             kind = "foreign-store"
@@ -125,6 +286,7 @@ class Collector:
             kind = "unreadable-store"
         result.warnings.append({"kind": kind, "message": f"{bad.path.name} {bad.reason}",
                                 "details": {"file": str(bad.path)}})
+        return None
 
     @staticmethod
     def _reap(fd: int, path: Path) -> bool:

@@ -1,18 +1,30 @@
 """Exposition: one series per process per metric, in Prometheus text 0.0.4
 or OpenMetrics 1.0.0.
 
+Numbers are spelt exactly as the C++ plug-in's prometheus-cpp text
+serializer spells them, so that whichever process (C++ or Python) owns the
+address, every series keeps its name, labels and ``le`` strings (Prometheus
+2.x keys a series by the raw ``le`` text: "10" and "10.0" would be two
+series).  prometheus-cpp writes a double with ``std::ostream <<`` at
+precision 16, i.e. printf's ``%.16g`` (``format_bound``); counters, gauges
+and histogram sums are u64s converted to double first (``format_value``);
+bucket and ``_count`` values are u64s written as integers.
+
 Two paths produce the same bytes.  ``reference_families`` builds ordinary
 prometheus_client metric families (``RegistryCollector`` lets users register
-a directory in their own registry).  ``Renderer`` is the scrape's fast path:
-a store's labels never change, so each store's sample lines become UTF-8
-%-templates once, cached, and a scrape only formats numbers into them.  The
-family headers are produced by prometheus_client's own generators.  The tests
-(tests/test_exposition_equivalence.py) prove the fast path byte-identical to
-prometheus_client's own output, in both formats.
+a directory in their own registry; through prometheus_client's own
+generators its values are spelt the Go way, "1e+06").  ``Renderer`` is the
+scrape's fast path: a store's labels never change, so each store's sample
+lines become UTF-8 %-templates once, cached, and a scrape only formats
+numbers into them.  The family headers are produced by prometheus_client's
+own generators.  The tests (tests/test_exposition_equivalence.py) prove the
+fast path line for line identical to prometheus_client's output in
+structure, with the values spelt as prometheus-cpp spells them.
 """
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
@@ -22,7 +34,6 @@ from typing import Any
 from prometheus_client.exposition import generate_latest as generate_text
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
-from prometheus_client.utils import floatToGoString
 
 from store import Snapshot
 from store.layout import BUCKET_SLOTS, W_BUCKETS, W_COUNTERS, W_GAUGES, W_SUMS
@@ -56,7 +67,7 @@ def reference_families(snapshots: Sequence[Snapshot]) -> list[Metric]:
             labels = label_pairs(snap)
             if fam.kind == "histogram":
                 total = 0
-                les = [floatToGoString(b) for b in snap.bounds] + ["+Inf"]
+                les = [format_bound(b) for b in snap.bounds] + ["+Inf"]
                 for le, count in zip(les, snap.histogram(slot), strict=True):
                     total += count
                     metric.add_sample(f"{fam.name}_bucket", {**labels, "le": le}, total)
@@ -117,22 +128,22 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-_EXACT_FLOAT_LIMIT = 1 << 53  # every int below is exactly a float, and below 1e16 repr() has no exponent
+def format_bound(bound: float) -> str:
+    """A bucket bound as an ``le`` label value, as prometheus-cpp writes it: ``%.16g`` ("10", "1000000", "0.001")."""
+    return f"{bound:.16g}"
+
+
+_EXACT_FLOAT_LIMIT = 1 << 53  # every u64 up to here is exactly a double, and has at most 16 digits
 
 
 def format_value(value: int) -> str:
-    """floatToGoString for a u64 sample, without the float round trip where it is exact.
+    """A counter's, gauge's or histogram sum's u64 as prometheus-cpp writes it.
 
-    Below 10**6 Python and Go agree on "<v>.0"; up to 2**53 the value is an
-    exact float whose repr is "<v>.0" too, which prometheus_client turns into
-    Go's "d.ddde+XX"; beyond that floats round, so prometheus_client decides.
+    The plug-in converts the u64 to a double (round to nearest) and writes it
+    with ``%.16g``: up to 2**53 that is the integer itself; beyond, the
+    rounded double's 16 significant digits ("9.007199254740992e+15").
     """
-    if value < 1_000_000:
-        return f"{value}.0"
-    if value < _EXACT_FLOAT_LIMIT:
-        digits = str(value)
-        return f"{(digits[0] + '.' + digits[1:]).rstrip('0.')}e+{len(digits) - 1:02d}"
-    return floatToGoString(value)
+    return str(value) if value <= _EXACT_FLOAT_LIMIT else f"{float(value):.16g}"
 
 
 def _format_bytes(value: int) -> bytes:
@@ -159,11 +170,12 @@ def _prefixes(fam: Family, head: str, tail: str, les: Sequence[str]) -> list[str
 class _RankLines:
     """One store's sample lines as %-templates, one per family.
 
-    ``small[i]`` formats family i when every value but a histogram's sum is
-    below 10**6 (``%d.0``, formatted in C); ``big(i)`` takes every value
-    already formatted (``%s``), and is only built for the families that ever
-    need it, so that the templates a scrape streams through stay compact.  A
-    histogram's sum is always passed formatted.
+    ``small[i]`` formats family i with integers (``%d``, formatted in C):
+    always right for histogram buckets and counts, and for counters and
+    gauges up to 2**53; a histogram's sum is always passed formatted
+    (``%s``).  ``big(i)`` takes every value already formatted, and is only
+    built for the counter and gauge families that ever exceed 2**53, so that
+    the templates a scrape streams through stay compact.
     """
 
     __slots__ = ("_big", "_labels", "small")
@@ -174,12 +186,12 @@ class _RankLines:
         labels = label_pairs(snap)
         head = ",".join(f'{k}="{_escape(labels[k])}"' for k in ("agent_instance", "agent_name", "hostname"))
         tail = ",".join(f'{k}="{_escape(labels[k])}"' for k in ("local_rank", "pid") if k in labels)
-        les = [floatToGoString(b) for b in snap.bounds] + ["+Inf"]
+        les = [format_bound(b) for b in snap.bounds] + ["+Inf"]
         self._labels = (head, tail, les)
         small = []
         for fam in FAMILIES:
             prefixes = _prefixes(fam, head, tail, les)
-            placeholders = ["%d.0"] * len(prefixes)
+            placeholders = ["%d"] * len(prefixes)
             if fam.kind == "histogram":
                 placeholders[-1] = "%s"
             small.append(_template(prefixes, placeholders))
@@ -199,32 +211,38 @@ class Renderer:
 
     A store's labels never change, so its sample lines are turned into
     %-templates once; a scrape then costs one C-level format per store and
-    family, plus one Python-level number format per value of 10**6 or more.
+    family, plus one Python-level number format per histogram sum and per
+    value above 2**53.  Concurrent scrapes share one renderer: the cache is
+    only read, filled and trimmed under a lock.
     """
 
     def __init__(self) -> None:
         self._cache: dict[bytes, _RankLines] = {}
+        self._lock = threading.Lock()
 
     def render(self, snapshots: Sequence[Snapshot], openmetrics: bool = False) -> bytes:
         if not snapshots:
             return _OM_EOF_BYTES if openmetrics else b""
-        cache = self._cache
         # Parallel lists rather than a tuple per store: a scrape of N stores
         # allocates O(1) long-lived objects here, which keeps the cyclic GC out.
         words_of: list[array[int]] = []
         buckets_of: list[int] = []
         lines_of: list[_RankLines] = []
-        for snap in snapshots:
-            lines = cache.get(snap.identity_key)
-            if lines is None:
-                lines = cache[snap.identity_key] = _RankLines(snap)
-            words_of.append(snap.words)
-            buckets_of.append(len(snap.bounds) + 1)
-            lines_of.append(lines)
-        if len(cache) > 2 * len(snapshots) + 64:  # departed stores: keep the cache bounded
-            keep = {snap.identity_key for snap in snapshots}
-            self._cache = {k: v for k, v in cache.items() if k in keep}
-        fmt = _format_bytes
+        # Under the lock: another scrape's trim below iterates the cache while
+        # this one inserts into it ("dictionary changed size during iteration").
+        with self._lock:
+            cache = self._cache
+            for snap in snapshots:
+                lines = cache.get(snap.identity_key)
+                if lines is None:
+                    lines = cache[snap.identity_key] = _RankLines(snap)
+                words_of.append(snap.words)
+                buckets_of.append(len(snap.bounds) + 1)
+                lines_of.append(lines)
+            if len(cache) > 2 * len(snapshots) + 64:  # departed stores: keep the cache bounded
+                keep = {snap.identity_key for snap in snapshots}
+                self._cache = {k: v for k, v in cache.items() if k in keep}
+        fmt, exact = _format_bytes, _EXACT_FLOAT_LIMIT
         parts: list[bytes] = []
         append = parts.append
         for i, (fam, header) in enumerate(zip(FAMILIES, _OM_HEADERS if openmetrics else _TEXT_HEADERS,
@@ -234,27 +252,22 @@ class Renderer:
             slot = fam.events[0]
             if fam.kind == "histogram":
                 first, total_at = W_BUCKETS + slot * BUCKET_SLOTS, W_SUMS + slot
-                for words, nb, small, lines in zip(words_of, buckets_of, smalls, lines_of, strict=True):
-                    cumulative: list[Any] = list(accumulate(words[first:first + nb]))  # then formatted
-                    total = cumulative[-1]
-                    cumulative.append(total)
+                for words, nb, small in zip(words_of, buckets_of, smalls, strict=True):
+                    cumulative: list[Any] = list(accumulate(words[first:first + nb]))  # buckets, count, sum
+                    cumulative.append(cumulative[-1])
                     value = words[total_at]
-                    cumulative.append(b"%d.0" % value if value < 1_000_000 else fmt(value))
-                    if total < 1_000_000:
-                        append(small % tuple(cumulative))
-                    else:
-                        cumulative[:-1] = map(fmt, cumulative[:-1])
-                        append(lines.big(i) % tuple(cumulative))
+                    cumulative.append(b"%d" % value if value <= exact else fmt(value))
+                    append(small % tuple(cumulative))
             elif len(fam.events) == 1:
                 at = (W_GAUGES if fam.kind == "gauge" else W_COUNTERS) + slot
                 for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
                     value = words[at]
-                    append(small % value if value < 1_000_000 else lines.big(i) % fmt(value))
+                    append(small % value if value <= exact else lines.big(i) % fmt(value))
             else:
                 pick = itemgetter(*(W_COUNTERS + ev for ev in fam.events))
                 for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
                     values = pick(words)
-                    append(small % values if max(values) < 1_000_000 else lines.big(i) % tuple(map(fmt, values)))
+                    append(small % values if max(values) <= exact else lines.big(i) % tuple(map(fmt, values)))
         if openmetrics:
             append(_OM_EOF_BYTES)
         return b"".join(parts)

@@ -1,10 +1,23 @@
-"""The WSGI app: ``/metrics`` and ``/healthz``, for both the in-process
-endpoint and ``gunicorn app:wsgi``.
+"""The WSGI app: ``/metrics``, ``/healthz`` and a landing page at ``/``, for
+both the in-process endpoint and ``gunicorn app:wsgi``.
 
-Routing, method handling (404, 405 with Allow, HEAD) and responses are
-werkzeug's; content negotiation and gzip follow prometheus_client's own
-``choose_encoder`` and ``gzip_accepted``, so a scraper sees exactly what a
-prometheus_client endpoint would send it.
+Routing, method handling (404, 405 with Allow, HEAD) and header parsing are
+werkzeug's.  Content negotiation on /metrics:
+
+* Format: the Prometheus text format 0.0.4 whenever the client accepts it
+  (no Accept header, ``*/*``, ``text/*``, or ``text/plain`` without a version
+  or with version 0.0.4, at any q above 0), which every Prometheus does: it
+  is the only format the C++ plug-in serves, so the output is the same
+  whoever owns the address, and it is valid where our OpenMetrics is not (the
+  NIXL names give two families called ``agent_xfer_time``).  OpenMetrics 1.0.0
+  only for a client that accepts OpenMetrics and not the text format; the
+  text format, too, for a client that accepts neither.
+* Encoding: gzip when ``Accept-Encoding`` lists gzip (or ``*``) with q above
+  0; an explicit ``gzip;q=0`` refuses it whatever ``*`` says.
+
+Both vary with the request, so /metrics answers say ``Vary: Accept,
+Accept-Encoding`` (caches and proxies must not hand one client's format or
+encoding to another).
 """
 
 from __future__ import annotations
@@ -18,8 +31,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
+from werkzeug.datastructures import Accept, MIMEAccept
 from werkzeug.exceptions import HTTPException
+from werkzeug.http import parse_options_header
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Request, Response
 
@@ -33,9 +49,49 @@ OwnerInfo = Callable[[], dict[str, Any]]
 ExtraWarnings = Callable[[], list[WarningDoc]]
 
 _URLS = Map([
+    Rule("/", endpoint="index", methods=["GET", "HEAD"]),
     Rule("/metrics", endpoint="metrics", methods=["GET", "HEAD"]),
     Rule("/healthz", endpoint="healthz", methods=["GET", "HEAD"]),
 ])
+
+# Relative links, so that the page also works behind a proxy that mounts it under a path prefix.
+_INDEX_HTML = b"""<!DOCTYPE html>
+<html lang="en">
+<head><meta charset="utf-8"><title>NIXL telemetry</title></head>
+<body>
+<h1>NIXL telemetry</h1>
+<p>The NIXL telemetry of every process writing to this node's telemetry directory (NIXL's prometheus_mp exporter).</p>
+<ul>
+<li><a href="metrics">/metrics</a>: the Prometheus exposition, one series per process and metric</li>
+<li><a href="healthz">/healthz</a>: which processes are live or departed, who serves this address, and warnings
+(JSON)</li>
+</ul>
+</body>
+</html>
+"""
+
+
+def wants_openmetrics(accept: MIMEAccept) -> bool:
+    """Whether to answer OpenMetrics: only when the client accepts it and not the text format 0.0.4."""
+    text = openmetrics = False
+    for value, quality in accept:
+        if quality <= 0:
+            continue  # q=0: "not acceptable"
+        mimetype, params = parse_options_header(value)
+        mimetype = mimetype.lower()
+        if mimetype in ("*/*", "text/*") or (mimetype == "text/plain" and params.get("version", "0.0.4") == "0.0.4"):
+            text = True
+        elif mimetype == "application/openmetrics-text":
+            openmetrics = True
+    return openmetrics and not text
+
+
+def gzip_wanted(accept: Accept) -> bool:
+    """Whether the client accepts gzip: an explicit gzip entry decides, else ``*``; q=0 means no."""
+    explicit = [quality for value, quality in accept if value.lower() in ("gzip", "x-gzip")]
+    if explicit:
+        return max(explicit) > 0
+    return any(quality > 0 for value, quality in accept if value == "*")
 
 
 def _rank_json(view: RankView) -> dict[str, Any]:
@@ -84,18 +140,23 @@ class MetricsApp:
         request = Request(environ)
         try:
             endpoint, _ = _URLS.bind_to_environ(environ).match()
-            response = self.metrics(request) if endpoint == "metrics" else self.healthz()
+            if endpoint == "metrics":
+                response = self.metrics(request)
+            elif endpoint == "healthz":
+                response = self.healthz()
+            else:
+                response = Response(_INDEX_HTML, mimetype="text/html")
         except HTTPException as exc:
             response = exc.get_response(environ)
         return response(environ, start_response)
 
     def metrics(self, request: Request) -> Response:
-        _, content_type = choose_encoder(request.headers.get("Accept", ""))
-        openmetrics = content_type.startswith("application/openmetrics-text")
+        openmetrics = wants_openmetrics(request.accept_mimetypes)
         self._on_scrape()
         body = self._renderer.render(self.collector.collect().published, openmetrics)
-        headers = {"Content-Type": content_type}
-        if gzip_accepted(request.headers.get("Accept-Encoding", "")):
+        headers = {"Content-Type": CONTENT_TYPE_OPENMETRICS if openmetrics else CONTENT_TYPE_PLAIN_0_0_4,
+                   "Vary": "Accept, Accept-Encoding"}
+        if gzip_wanted(request.accept_encodings):
             body = gzip.compress(body, compresslevel=6)  # most of level 9's ratio for much less CPU
             headers["Content-Encoding"] = "gzip"
         return Response(body, headers=headers)

@@ -14,6 +14,7 @@ the new value of a word, never a torn mix.
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Final
 
@@ -125,6 +126,29 @@ OWNER_LOCK_SUFFIX: Final = ".lock"
 def store_file_name(pid: int, run_marker: int, instance: int) -> str:
     """``nixl.<pid>.<run_marker>.<instance>.mmap``: unique per agent and run."""
     return f"{STORE_PREFIX}{pid}.{run_marker}.{instance}{STORE_SUFFIX}"
+
+
+# Exactly what store_file_name (and the C++ plug-in's makeStoreFileName, which
+# writes three std::to_string()s) can produce: ASCII decimal digits only, no
+# sign, nothing before or after.  The plug-in's own reader only checks the
+# prefix and the suffix; a stricter grammar means that nixl.mmap, nixl..mmap,
+# an editor's nixl.1.2.0.mmap~ or an operator's nixl.backup.mmap is never
+# read, published nor reaped.
+_STORE_NAME: Final = re.compile(r"nixl\.([0-9]+)\.([0-9]+)\.([0-9]+)\.mmap")
+
+
+def parse_store_name(name: str) -> tuple[int, int, int] | None:
+    """``(pid, run_marker, instance)`` of a store's file name, or None if ``name`` is not one."""
+    match = _STORE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    pid, run_marker, instance = match.groups()
+    return int(pid), int(run_marker), int(instance)
+
+
+def is_store_name(name: str) -> bool:
+    """Whether a directory entry named ``name`` is a store (the only files readers read or reap)."""
+    return _STORE_NAME.fullmatch(name) is not None
 
 
 def _check_layout() -> None:

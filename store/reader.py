@@ -104,6 +104,13 @@ class Unreadable:
     reason: str
     foreign: bool = False  # owned by another uid: never read, never reaped
     missing: bool = False  # gone (reaped by someone else, or raced)
+    transient: bool = False  # the reader ran short (descriptors, memory), not a property of the file
+
+
+# Failures that say something about the reading process, not about the file:
+# the same open succeeds once descriptors or memory are back.
+TRANSIENT_ERRNOS: frozenset[int] = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS,
+                                              errno.EINTR, errno.EAGAIN})
 
 
 ReadResult = Snapshot | InvalidStore | Unreadable
@@ -117,8 +124,9 @@ def open_store(path: str | os.PathLike[str]) -> int | Unreadable:
         if exc.errno == errno.ELOOP:
             return Unreadable(Path(path), "is a symbolic link, which is never followed")
         if exc.errno == errno.EACCES:
-            return Unreadable(Path(path), "permission denied (owned by another user?)", foreign=True)
-        return Unreadable(Path(path), os.strerror(exc.errno or 0), missing=exc.errno == errno.ENOENT)
+            return _permission_denied(Path(path))
+        return Unreadable(Path(path), os.strerror(exc.errno or 0), missing=exc.errno == errno.ENOENT,
+                          transient=exc.errno in TRANSIENT_ERRNOS)
     try:
         st = os.fstat(fd)
     except OSError as exc:
@@ -131,6 +139,19 @@ def open_store(path: str | os.PathLike[str]) -> int | Unreadable:
         os.close(fd)
         return Unreadable(Path(path), f"is owned by uid {st.st_uid}, not {os.geteuid()}", foreign=True)
     return fd
+
+
+def _permission_denied(path: Path) -> Unreadable:
+    """Why a store could not be opened for reading: another user's file, or ours with its read bit removed."""
+    try:
+        owner = os.stat(path, follow_symlinks=False).st_uid
+    except OSError:
+        owner = None
+    if owner == os.geteuid():
+        return Unreadable(path, "is not readable (permission denied; its mode was changed)")
+    if owner is None:
+        return Unreadable(path, "permission denied", foreign=True)
+    return Unreadable(path, f"is owned by uid {owner}, not {os.geteuid()} (permission denied)", foreign=True)
 
 
 def probe_alive(fd: int) -> bool:

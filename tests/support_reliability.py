@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.utils import floatToGoString
 from support import START_DEADLINE_S, RankProcess, Reaper, SeriesKey, start_rank
 
+from app.exposition import format_bound
 from store.metrics import COUNTER_FAMILIES, GAUGE_FAMILIES, HISTOGRAM_FAMILIES, error_status
 
 IDENTITY_LABELS = frozenset({"hostname", "agent_name", "pid", "agent_instance", "local_rank"})
@@ -261,7 +261,7 @@ def expected_series(tally: Mapping[str, Any], bounds: tuple[float, ...]) -> dict
                 out[(fam.name, frozenset({("status", error_status(ev))}))] = counters[ev]
     for fam in GAUGE_FAMILIES:
         out[(fam.name, frozenset())] = gauges[fam.events[0]]
-    les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+    les = [format_bound(b) for b in bounds] + ["+Inf"]
     for fam in HISTOGRAM_FAMILIES:
         ev = str(int(fam.events[0]))
         running = 0

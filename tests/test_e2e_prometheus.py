@@ -124,9 +124,9 @@ def scrape_health(prom: Prometheus) -> str:
 @needs_prometheus
 def test_prometheus_reads_every_rank(scraped: tuple[list[Proc], int, Prometheus]) -> None:
     procs, port, prom = scraped
-    # Prometheus negotiates OpenMetrics with us: this is the format it parsed.
+    # Prometheus is answered in the text format 0.0.4 (as by the C++ plug-in): this is the format it parsed.
     _, headers, _ = http_get(f"http://127.0.0.1:{port}/metrics", {"Accept": PROMETHEUS_ACCEPT})
-    assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
 
     target = prom.target()
     assert (target["health"], target["lastError"]) == ("up", ""), scrape_health(prom)
@@ -236,14 +236,17 @@ def test_promtool_check_metrics_finds_only_what_nixl_names_force(tmp_path: Path)
 @pytest.mark.xfail(strict=True, raises=ValueError, reason=(
     "our OpenMetrics output has two families named agent_xfer_time (the counter agent_xfer_time_total and the "
     "gauge agent_xfer_time, both NIXL names); OpenMetrics requires unique family names, so prometheus_client's "
-    "strict parser rejects it ('Clashing name: agent_xfer_time'). Prometheus 2.42 accepts it (see above)."))
+    "strict parser rejects it ('Clashing name: agent_xfer_time'). It is only served to a client that accepts "
+    "nothing else; Prometheus gets the text format (see above)."))
 def test_openmetrics_output_parses_with_a_strict_parser(tmp_path: Path) -> None:
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
     directory, port = tmp_path / "mp", free_port()
     with reaper() as r:
         assert wait_ready(r.rank(directory, port, 0)) is True
-        _, _, body = http_get(f"http://127.0.0.1:{port}/metrics", {"Accept": PROMETHEUS_ACCEPT})
+        _, headers, body = http_get(f"http://127.0.0.1:{port}/metrics",
+                                    {"Accept": "application/openmetrics-text;version=1.0.0"})
+    assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
     families = list(text_string_to_metric_families(body.decode()))
     assert json.dumps([f.name for f in families])
     assert not any(math.isnan(s.value) for f in families for s in f.samples)

@@ -1,22 +1,26 @@
-"""The scrape's fast Renderer is byte-identical to prometheus_client's own generators.
+"""The scrape's fast Renderer writes what prometheus_client's own generators write, with numbers spelt like the C++
+plug-in.
 
-``reference_render`` runs prometheus_client's ``generate_latest`` (text 0.0.4)
-and its OpenMetrics ``generate_latest`` over ordinary metric families built
-from the same snapshots; ``Renderer.render`` is the templated fast path the
-scrape uses.  Any difference, in either format, for any snapshot, is a bug.
+``reference_render`` runs prometheus_client's ``generate_latest`` (text 0.0.4) and its OpenMetrics
+``generate_latest`` over ordinary metric families built from the same snapshots; ``Renderer.render`` is the templated
+fast path the scrape uses.  prometheus_client stays the oracle for structure (family order, HELP and TYPE lines,
+sample names and order, label names, their order and escaping, ``# EOF``); the spelling of numbers follows
+prometheus-cpp instead (the ``le`` strings, which reference_families already takes from ``format_bound``, and every
+sample value), so that the C++ plug-in and we publish the same series (tests/test_cpp_format.py).
+``cpp_reference`` (tests/support_forge.py) is prometheus_client's output with each sample value respelt that way
+from the exact stored integer.  Any other difference, in either format, for any snapshot, is a bug.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.utils import floatToGoString
+from support_forge import cpp_reference, store_bytes
 
-from app.exposition import Renderer, format_value, reference_render
+from app.exposition import Renderer, reference_render
 from store import layout as L
 from store.metrics import DEFAULT_BUCKETS_US
 from store.reader import Snapshot, decode
@@ -43,16 +47,6 @@ bounds_strategy = st.one_of(
                        st.floats(min_value=1e-9, max_value=1e18, allow_nan=False, allow_infinity=False)),
              max_size=L.MAX_BUCKETS, unique=True).map(lambda b: tuple(sorted(b))),
 )
-
-
-def store_bytes(pid: int, instance: int, agent_name: str, hostname: str, local_rank: str,
-                bounds: tuple[float, ...], counters: list[int], gauges: list[int], buckets: list[int],
-                sums: list[int], last_update: int = 1) -> bytes:
-    """A schema-1 store image, packed with the layout's own struct."""
-    padded = list(bounds) + [0.0] * (L.MAX_BUCKETS - len(bounds))
-    return L.STORE_STRUCT.pack(L.MAGIC, L.SCHEMA_VERSION, L.SLOT_COUNT, pid, last_update, instance, len(bounds),
-                               agent_name.encode(), hostname.encode(), local_rank.encode(), *padded,
-                               *counters, *gauges, *buckets, *sums)
 
 
 @st.composite
@@ -87,14 +81,14 @@ _SHARED = Renderer()
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(snapshot_lists(), st.booleans())
 def test_renderer_equals_prometheus_client(snaps: list[Snapshot], openmetrics: bool) -> None:
-    expected = reference_render(snaps, openmetrics)
+    expected = cpp_reference(snaps, openmetrics)
     assert _SHARED.render(snaps, openmetrics) == expected
     assert Renderer().render(snaps, openmetrics) == expected
 
 
 @pytest.mark.parametrize("openmetrics", [False, True], ids=["text-0.0.4", "openmetrics"])
 def test_zero_ranks(openmetrics: bool) -> None:
-    assert Renderer().render([], openmetrics) == reference_render([], openmetrics)
+    assert Renderer().render([], openmetrics) == reference_render([], openmetrics) == cpp_reference([], openmetrics)
 
 
 def _edge_snapshot(index: int, value: int, bounds: tuple[float, ...], local_rank: str) -> Snapshot:
@@ -112,26 +106,12 @@ def test_every_edge_value_in_every_family(value: int, openmetrics: bool) -> None
     """Each edge value in every counter, gauge, bucket and sum (cumulative buckets beyond 2**64 too)."""
     snaps = [_edge_snapshot(0, value, DEFAULT_BUCKETS_US, "0"), _edge_snapshot(1, value, (0.5, 2.5e-3 * 1000), ""),
              _edge_snapshot(2, value, (), "7")]
-    assert Renderer().render(snaps, openmetrics) == reference_render(snaps, openmetrics)
+    assert Renderer().render(snaps, openmetrics) == cpp_reference(snaps, openmetrics)
 
 
 def test_cache_follows_departed_and_new_stores() -> None:
     renderer = Renderer()
     for start in range(0, 300, 30):
         snaps = [_edge_snapshot(i, i * 1_000_003, DEFAULT_BUCKETS_US, str(i)) for i in range(start, start + 40)]
-        assert renderer.render(snaps) == reference_render(snaps)
-        assert renderer.render(snaps, True) == reference_render(snaps, True)
-
-
-@given(st.one_of(st.sampled_from(EDGE_VALUES), st.integers(0, U64_MAX), st.integers(0, 10**17)))
-def test_format_value_is_float_to_go_string(value: int) -> None:
-    assert format_value(value) == floatToGoString(value)
-
-
-def test_format_value_around_powers_of_ten() -> None:
-    for exponent in range(0, 20):
-        for delta in (-1, 0, 1):
-            value = 10**exponent + delta
-            if 0 <= value <= U64_MAX:
-                assert format_value(value) == floatToGoString(value), value
-    assert math.isfinite(float(U64_MAX))
+        assert renderer.render(snaps) == cpp_reference(snaps)
+        assert renderer.render(snaps, True) == cpp_reference(snaps, True)

@@ -1,4 +1,5 @@
-"""The HTTP side: /metrics negotiation and gzip, methods and paths, /healthz's fields, 503 on a lost directory.
+"""The HTTP side: /metrics negotiation and gzip, methods and paths, the landing page, /healthz's fields, 503 on a
+lost directory.
 
 Served for real: an in-process Exporter binds a free port on 127.0.0.1 and the tests talk to it with urllib.
 """
@@ -9,6 +10,7 @@ import datetime
 import os
 import shutil
 import socket
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -24,18 +26,34 @@ from support import (  # noqa: F401  (pytest fixtures)
     parse_exposition,
     series,
 )
+from support_forge import cpp_reference
 from werkzeug.test import Client
 
 from app.collector import Collector
 from app.config import Config
-from app.exposition import reference_render
 from app.standalone import build_app
 from app.web import MetricsApp
 from store import EventType, StoreIdentity, StoreWriter
 
 E = EventType
-OPENMETRICS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus sends
+# The Accept headers Prometheus sends, by version (scrape_protocols at their defaults; the protobuf entry leads when
+# native histograms are on).  Every one of them accepts the text format 0.0.4.
+PROMETHEUS_ACCEPT = {
+    "2.0-2.48": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "2.49+": "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,"
+             "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "2.x-native-histograms": "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;"
+                             "encoding=delimited;q=0.6,application/openmetrics-text;version=1.0.0;q=0.5,"
+                             "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,"
+                             "*/*;q=0.2",
+    "3.x": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+           "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,"
+           "text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+    "3.x-text-first": "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.6,text/plain;version=0.0.4;q=0.5,"
+                      "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.4,*/*;q=0.3",
+}
+OPENMETRICS_ONLY = "application/openmetrics-text;version=1.0.0"
 
 
 @pytest.fixture
@@ -62,13 +80,33 @@ def test_default_is_prometheus_text_0_0_4(served) -> None:
     assert samples[series("agent_tx_bytes_total", **labels)] == 4096
     assert samples[series("agent_rx_bytes_total", **labels)] == 1 << 20
     assert samples[series("agent_errors_total", status="backend", **labels)] == 1
-    # byte-identical to prometheus_client's own generator over the same stores
-    assert response.body == reference_render(Collector(exp.config.directory, 30).collect().published)
+    # prometheus_client's text over the same stores, numbers spelt as the C++ plug-in spells them
+    assert response.body == cpp_reference(Collector(exp.config.directory, 30).collect().published)
 
 
-def test_openmetrics_when_accept_asks_for_it(served) -> None:
+@pytest.mark.parametrize("version", sorted(PROMETHEUS_ACCEPT))
+def test_prometheus_always_gets_the_text_format(served, version: str) -> None:
+    """The format the C++ plug-in serves: the same bytes whoever owns the address, and valid (our OpenMetrics is
+    not: two families named agent_xfer_time)."""
+    _, port = served
+    plain = http_get(metrics_url(port))
+    response = http_get(metrics_url(port), headers={"Accept": PROMETHEUS_ACCEPT[version], "Accept-Encoding": "gzip"})
+    assert response.status == 200
+    assert response.headers["content-type"] == CONTENT_TYPE_PLAIN_0_0_4
+    assert response.headers["content-encoding"] == "gzip"
+    assert gunzip(response.body) == plain.body and b"# EOF" not in plain.body
+    assert vary(response) == {"accept", "accept-encoding"}
+
+
+@pytest.mark.parametrize("accept", [
+    OPENMETRICS_ONLY,
+    "application/openmetrics-text",
+    "application/openmetrics-text;version=0.0.1;q=0.2, text/plain;version=0.0.4;q=0, */*;q=0",
+    "application/openmetrics-text;version=1.0.0, text/plain;version=1.0.0",  # no 0.0.4: our text would not do
+])
+def test_openmetrics_only_for_a_client_that_accepts_nothing_else(served, accept: str) -> None:
     exp, port = served
-    response = http_get(metrics_url(port), headers={"Accept": OPENMETRICS_ACCEPT})
+    response = http_get(metrics_url(port), headers={"Accept": accept})
     assert response.status == 200
     assert response.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
     text = response.text
@@ -79,31 +117,67 @@ def test_openmetrics_when_accept_asks_for_it(served) -> None:
     assert "# TYPE agent_tx_bytes_total" not in text
     assert "\nagent_tx_bytes_total{" in text
     assert "# TYPE agent_xfer_time_us histogram\n" in text
-    assert response.body == reference_render(Collector(exp.config.directory, 30).collect().published,
-                                             openmetrics=True)
+    assert response.body == cpp_reference(Collector(exp.config.directory, 30).collect().published,
+                                          openmetrics=True)
+    assert vary(response) == {"accept", "accept-encoding"}
 
 
-def test_text_when_accept_does_not_ask_for_openmetrics(served) -> None:
+@pytest.mark.parametrize("accept", ["text/plain", "text/plain;version=0.0.4", "text/*", "*/*", "application/json",
+                                    "TEXT/PLAIN", "application/openmetrics-text;q=0.9, text/plain;q=0.1"])
+def test_text_for_every_other_client(served, accept: str) -> None:
     _, port = served
-    response = http_get(metrics_url(port), headers={"Accept": "text/plain"})
+    response = http_get(metrics_url(port), headers={"Accept": accept})
     assert response.headers["content-type"] == CONTENT_TYPE_PLAIN_0_0_4
-    assert "# EOF" not in response.text
+    assert "# EOF" not in response.text and "agent_tx_bytes_total{" in response.text
+    assert vary(response) == {"accept", "accept-encoding"}
 
 
-@pytest.mark.parametrize("accept", [None, OPENMETRICS_ACCEPT])
-def test_gzip_when_accepted(served, accept) -> None:
+def vary(response) -> set[str]:
+    return {v.strip().lower() for v in response.headers.get("vary", "").split(",") if v.strip()}
+
+
+@pytest.mark.parametrize(("accept_encoding", "zipped"), [
+    ("gzip", True), ("GZIP", True), ("gzip;q=0.5", True), ("deflate, gzip;q=0.1, br", True), ("*", True),
+    ("x-gzip", True), ("identity, *;q=0.5", True),
+    (None, False), ("", False), ("identity", False), ("deflate, br", False),
+    ("gzip;q=0", False), ("gzip; q=0.0", False), ("gzip;q=0, *", False), ("*;q=0", False),
+])
+@pytest.mark.parametrize("accept", [None, OPENMETRICS_ONLY])
+def test_gzip_exactly_when_acceptable(served, accept, accept_encoding, zipped: bool) -> None:
     _, port = served
     base = {"Accept": accept} if accept else {}
     plain = http_get(metrics_url(port), headers=base)
-    zipped = http_get(metrics_url(port), headers={**base, "Accept-Encoding": "gzip"})
-    assert zipped.status == 200
-    assert zipped.headers["content-encoding"] == "gzip"
-    assert zipped.headers["content-type"] == plain.headers["content-type"]
-    assert gunzip(zipped.body) == plain.body
-    assert len(zipped.body) < len(plain.body)
+    answer = http_get(metrics_url(port), headers={**base, **({"Accept-Encoding": accept_encoding}
+                                                               if accept_encoding is not None else {})})
+    assert answer.status == 200
+    assert answer.headers["content-type"] == plain.headers["content-type"]
+    assert vary(answer) == {"accept", "accept-encoding"}
+    if zipped:
+        assert answer.headers["content-encoding"] == "gzip"
+        assert gunzip(answer.body) == plain.body
+        assert len(answer.body) < len(plain.body)
+    else:
+        assert "content-encoding" not in answer.headers
+        assert answer.body == plain.body
 
 
-@pytest.mark.parametrize("path", ["/", "/metric", "/metrics/x", "/healthz/", "/favicon.ico"])
+def test_landing_page_links_metrics_and_healthz(served) -> None:
+    _, port = served
+    page = http_get(metrics_url(port, "/"))
+    assert page.status == 200
+    assert page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.text.startswith("<!DOCTYPE html>")
+    # relative links: they resolve against the page's own URL, behind a path-prefix proxy too
+    for target in ("metrics", "healthz"):
+        assert f'<a href="{target}">' in page.text
+        assert http_get(urllib.parse.urljoin(metrics_url(port, "/"), target)).status == 200
+    head = http_request(metrics_url(port, "/"), method="HEAD")
+    assert head.status == 200 and head.body == b""
+    assert head.headers["content-length"] == page.headers["content-length"] == str(len(page.body))
+    assert http_request(metrics_url(port, "/"), method="POST", data=b"x").status == 405
+
+
+@pytest.mark.parametrize("path", ["/metric", "/metrics/x", "/healthz/", "/favicon.ico", "/index.html"])
 def test_other_paths_are_404(served, path) -> None:
     _, port = served
     assert http_get(metrics_url(port, path)).status == 404
@@ -237,7 +311,7 @@ def test_wsgi_app_routes_without_a_server(tmp_dir: Path) -> None:
     client = Client(app)
     assert client.get("/metrics").status_code == 200
     assert client.get("/metrics").data == b""  # no store: an empty exposition
-    assert client.get("/metrics", headers={"Accept": OPENMETRICS_ACCEPT}).data == b"# EOF\n"
+    assert client.get("/metrics", headers={"Accept": OPENMETRICS_ONLY}).data == b"# EOF\n"
     assert client.get("/nope").status_code == 404
     response = client.post("/healthz")
     assert response.status_code == 405 and "GET" in response.headers["Allow"]

@@ -37,7 +37,7 @@ from store import EventType
 
 E = EventType
 BUCKETS = "10,100,1000"
-LES = ("10.0", "100.0", "1000.0", "+Inf")
+LES = ("10", "100", "1000", "+Inf")  # as the C++ plug-in spells them
 BOUNDS = (10, 100, 1000)
 
 # The exposition's names, spelled out here rather than taken from the descriptor under test.

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from support import exporter_env, free_port, healthz, http_get, metrics_url, parse_exposition, scrape
+from support_forge import cpp_reference
 from werkzeug.test import Client
 
 import app.collector
@@ -25,7 +26,7 @@ import store.reader
 import store.writer
 from app import Exporter
 from app.collector import Collector
-from app.exposition import Renderer, reference_render
+from app.exposition import Renderer
 from app.web import MetricsApp
 from store import DEFAULT_BUCKETS_US, EventType, StoreIdentity, StoreWriter
 from store import layout as L
@@ -69,12 +70,12 @@ def assert_contract(snap: Snapshot) -> None:
     for text in (snap.agent_name, snap.hostname, snap.local_rank):
         assert isinstance(text, str) and "\0" not in text
     openmetrics = Renderer().render([snap], openmetrics=True)
-    assert openmetrics == reference_render([snap], openmetrics=True) and openmetrics.endswith(b"# EOF\n")
+    assert openmetrics == cpp_reference([snap], openmetrics=True) and openmetrics.endswith(b"# EOF\n")
     # (prometheus_client's OpenMetrics parser refuses every exposition of this metric set -- the counter
     # agent_xfer_time_total and the gauge agent_xfer_time are both family "agent_xfer_time" there -- so only
     # the text format is parsed here.)
     body = Renderer().render([snap])
-    assert body == reference_render([snap])
+    assert body == cpp_reference([snap])
     families = list(parse_text(body.decode()))
     assert families
     for fam in families:

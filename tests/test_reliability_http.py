@@ -175,7 +175,7 @@ def test_unsupported_methods_are_405(server, method, path):
     assert set(response.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
 
 
-@pytest.mark.parametrize("path", ["/", "/metrics/", "/metricsx", "/healthz/x", "/favicon.ico", "/%00", "/%ff"])
+@pytest.mark.parametrize("path", ["/metrics/", "/metricsx", "/healthz/x", "/favicon.ico", "/%00", "/%ff"])
 def test_unknown_paths_are_404(server, path):
     assert http_request(server.url(path), timeout=5).status == 404
 

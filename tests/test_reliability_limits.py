@@ -128,7 +128,7 @@ def test_different_bucket_bounds_across_ranks_give_different_le_sets(make_writer
         if name == "agent_xfer_time_us_bucket":
             d = dict(labels)
             les.setdefault(d["agent_name"], {})[d["le"]] = value
-    assert les == {"a": {"10.0": 0, "100.0": 1, "+Inf": 1}, "b": {"5.0": 0, "50.0": 1, "500.0": 1, "+Inf": 1}}
+    assert les == {"a": {"10": 0, "100": 1, "+Inf": 1}, "b": {"5": 0, "50": 1, "500": 1, "+Inf": 1}}
 
 
 def _no_flock(*_args):

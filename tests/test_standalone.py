@@ -34,7 +34,7 @@ from support_e2e import (
 
 from election import lock_file_name
 
-OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+OPENMETRICS = "application/openmetrics-text;version=1.0.0"  # a client that accepts nothing else
 
 
 def start_aggregator(r, directory: Path, port: int, workers: int = 2, **extra: str):
