@@ -644,8 +644,10 @@ def _creation_error(exc: OSError, directory: Path) -> OSError:
     hint = ("free space there or point NIXL_TELEMETRY_MULTIPROC_DIR at a filesystem with room"
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
             "raise the descriptor limit (ulimit -n)" if exc.errno in (errno.EMFILE, errno.ENFILE) else
-            "check that the directory exists and is writable by this user")
-    return OSError(exc.errno, f"cannot create the telemetry store in {directory}: {exc.strerror} ({hint})")
+            "check that the directory exists and this user may write to it"
+            if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS) else "")
+    return OSError(exc.errno, f"cannot create the telemetry store in {directory}: {exc.strerror}"
+                   + (f" ({hint})" if hint else ""))
 
 
 def _flock_store(fd: int, path: Path) -> bool:
