@@ -43,6 +43,8 @@ log = logging.getLogger("nixl_prometheus_mp")
 
 _instances = itertools.count()  # agent_instance: 0, 1, ... per process
 _instances_lock = threading.Lock()
+# How often an event checks that the store file is still on disk (the writers' re-election pace).
+REVALIDATE_NS = 200_000_000
 
 
 def _next_instance() -> int:
@@ -136,7 +138,8 @@ class Exporter(Recording):
         app = MetricsApp(collector, lambda: self._endpoint.owner_info(agent_name, "in-process"),
                          lambda: health_warnings(owners, election), on_scrape=owners.poll)
         self._endpoint = ScrapeEndpoint(election, config.host, config.port, app)
-        self._next_claim_ns = self._endpoint.claim()
+        # Finite even for the owner: events keep checking the store file (_on_deadline).
+        self._next_claim_ns = min(self._endpoint.claim(), time.monotonic_ns() + REVALIDATE_NS)
         owners.poll()
 
     # -- properties -----------------------------------------------------
@@ -158,9 +161,12 @@ class Exporter(Recording):
 
     def _on_deadline(self) -> None:
         # Re-election pace (every 200 ms at most): also the moment to notice
-        # that our store file was removed from under us, at one fstat.
+        # that our store file was removed from under us, at one fstat.  The
+        # owner, which never re-elects, keeps this pace for that check.
         self._writer.revalidate()
         self._reclaim()
+        if not self._closed:
+            self._next_claim_ns = min(self._next_claim_ns, time.monotonic_ns() + REVALIDATE_NS)
 
     def _reclaim(self) -> None:
         if not self._closed:
