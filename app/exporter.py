@@ -35,7 +35,7 @@ from app.endpoint import NEVER, ScrapeEndpoint
 from app.recording import Recording
 from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, held_addresses_except
-from store import EventType, StoreIdentity, StoreWriter
+from store import StoreIdentity, StoreWriter
 from store.warnonce import OnceWarner
 from store.writer import NullSink
 

@@ -509,9 +509,9 @@ class StoreWriter:
         return time.monotonic_ns()
 
     def _detached_transfer(self, xfer_time_us: Any, post_time_us: Any, nbytes: Any, is_write: bool) -> int:
-        values = [event_value(v) for v in (xfer_time_us, post_time_us, nbytes)]
+        xfer, post, size = (event_value(v) for v in (xfer_time_us, post_time_us, nbytes))
         if self._reattach():
-            return self.record_transfer(*values, is_write)
+            return self.record_transfer(xfer, post, size, is_write)
         return time.monotonic_ns()
 
     def _reattach(self) -> bool:

@@ -22,13 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_ROOT
+from support import free_port
 
 import store.writer
 from store import layout as L
 from store.metrics import EventType
-
-from conftest import PROJECT_ROOT
-from support import free_port
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -18,11 +18,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_ROOT
 
 import store.writer
 from store import layout as L
-
-from conftest import PROJECT_ROOT
 
 REQUIRED = os.environ.get("CI_REQUIRE_SPEEDUPS") == "1"
 
@@ -106,7 +105,7 @@ def test_c_and_python_paths_write_identical_stores_and_raise_identical_errors(tm
     c_stores = sorted(c_dir.glob("*.mmap"), key=lambda p: p.name.rsplit(".", 2)[-2])  # by agent_instance
     py_stores = sorted(py_dir.glob("*.mmap"), key=lambda p: p.name.rsplit(".", 2)[-2])
     assert len(c_stores) == len(py_stores) == 3
-    for c_store, py_store in zip(c_stores, py_stores):
+    for c_store, py_store in zip(c_stores, py_stores, strict=True):
         assert _comparable(c_store) == _comparable(py_store), (c_store.name, py_store.name)
     wrapped = memoryview(c_stores[0].read_bytes()).cast("Q")
     assert any(wrapped[L.W_COUNTERS + ev] < 2**63 for ev in range(L.SLOT_COUNT))  # sanity: values were written
