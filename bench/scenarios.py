@@ -44,6 +44,7 @@ class Settings:
 class Results:
     record: dict[str, list[float]] = field(default_factory=dict)
     threads: dict[str, list[float]] = field(default_factory=dict)
+    exact: dict[str, bool] = field(default_factory=dict)  # recorded totals matched what was sent
     scrape: dict[int, dict[str, Any]] = field(default_factory=dict)
     takeover: list[float] = field(default_factory=list)
     takeover_failures: int = 0
@@ -69,16 +70,29 @@ def _ours_env(directory: Path, port: int) -> dict[str, str]:
 # -- a. and b. ----------------------------------------------------------------------------------------------
 
 def record(settings: Settings, results: Results, threads: int) -> None:
-    """Per-transfer ns: our four export_event calls, our record_transfer, prometheus_client's nine updates."""
+    """Per-transfer ns: ours (C path and pure-Python path) and prometheus_client's nine updates.
+
+    With one thread also one export_event per transfer against a no-op Python
+    method of the same signature (the floor any Python API pays).
+    """
     target = results.record if threads == 1 else results.threads
     n = settings.record_transfers
-    with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-ref") as ref_dir:
+    pure_python = {"NIXL_PROMETHEUS_MP_PURE_PYTHON": "1"}
+    with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-py") as py_dir, \
+            _tempdir(settings, "rec-ref") as ref_dir:
         with Worker("record-ours", _ours_env(ours_dir, free_port())) as ours, \
+                Worker("record-ours", {**_ours_env(py_dir, free_port()), **pure_python}) as py, \
                 Worker("record-ref", {"PROMETHEUS_MULTIPROC_DIR": str(ref_dir)}) as ref:
+            if not ours.hello["native"] or py.hello["native"]:
+                raise RuntimeError("expected the C path in one worker and the pure-Python path in the other "
+                                   "(build the extension: pip install -e .)")
             log(f"record x{threads} thread(s): ours pid {ours.pid} (serving={ours.hello['serving']}), "
-                f"reference pid {ref.pid} ({ref.hello['value_class']})")
+                f"pure-Python pid {py.pid}, reference pid {ref.pid} ({ref.hello['value_class']})")
             plan = [("ours: 4 x export_event", ours, "events"), ("ours: record_transfer", ours, "transfer"),
+                    ("pure Python: 4 x export_event", py, "events"), ("pure Python: record_transfer", py, "transfer"),
                     ("prometheus_client mp", ref, "updates")]
+            if threads == 1:
+                plan += [("ours: 1 x export_event", ours, "one"), ("no-op method", ours, "noop")]
             for _, worker, mode in plan:  # warm-up: first-touch of every page, caches, specialisation
                 worker.call("run", mode=mode, n=min(n, 2000), threads=threads)
             for rep in range(settings.record_repeats):
@@ -86,6 +100,9 @@ def record(settings: Settings, results: Results, threads: int) -> None:
                 for name, worker, mode in order:
                     reply = worker.call("run", mode=mode, n=n, threads=threads)
                     target.setdefault(name, []).append(reply["ns_per_transfer"])
+                    if "exact" in reply:
+                        key = f"{name} x{threads}"
+                        results.exact[key] = results.exact.get(key, True) and reply["exact"]
 
 
 # -- c. and e. ----------------------------------------------------------------------------------------------
