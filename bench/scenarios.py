@@ -27,6 +27,9 @@ from bench.common import (
 )
 
 
+THREAD_RUN_FACTOR = 10
+
+
 @dataclass
 class Settings:
     ranks: list[int]
@@ -76,7 +79,9 @@ def record(settings: Settings, results: Results, threads: int) -> None:
     method of the same signature (the floor any Python API pays).
     """
     target = results.record if threads == 1 else results.threads
-    n = settings.record_transfers
+    # Threaded runs are ten times longer: starting and joining the threads must stay well under 1% of a run
+    # (at ~100 ns per transfer, 10,000 transfers per thread take about as long as starting the threads).
+    n = settings.record_transfers * (1 if threads == 1 else THREAD_RUN_FACTOR)
     pure_python = {"NIXL_PROMETHEUS_MP_PURE_PYTHON": "1"}
     with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-py") as py_dir, \
             _tempdir(settings, "rec-ref") as ref_dir:
@@ -88,20 +93,25 @@ def record(settings: Settings, results: Results, threads: int) -> None:
                                    "(build the extension: pip install -e .)")
             log(f"record x{threads} thread(s): ours pid {ours.pid} (serving={ours.hello['serving']}), "
                 f"pure-Python pid {py.pid}, reference pid {ref.pid} ({ref.hello['value_class']})")
-            plan = [("ours: 4 x export_event", ours, "events"), ("ours: record_transfer", ours, "transfer"),
-                    ("pure Python: 4 x export_event", py, "events"), ("pure Python: record_transfer", py, "transfer"),
-                    ("prometheus_client mp", ref, "updates")]
+            plan = [("ours: 4 x export_event", ours, "events", threads),
+                    ("ours: record_transfer", ours, "transfer", threads),
+                    ("pure Python: 4 x export_event", py, "events", threads),
+                    ("pure Python: record_transfer", py, "transfer", threads),
+                    ("prometheus_client mp", ref, "updates", threads)]
             if threads == 1:
-                plan += [("ours: 1 x export_event", ours, "one"), ("no-op method", ours, "noop")]
-            for _, worker, mode in plan:  # warm-up: first-touch of every page, caches, specialisation
-                worker.call("run", mode=mode, n=min(n, 2000), threads=threads)
+                plan += [("ours: 1 x export_event", ours, "one", 1), ("no-op method", ours, "noop", 1)]
+            else:  # the single-thread baseline of the scaling, interleaved with the threaded runs
+                plan += [("ours: record_transfer, 1 thread", ours, "transfer", 1),
+                         ("pure Python: record_transfer, 1 thread", py, "transfer", 1)]
+            for _, worker, mode, count in plan:  # warm-up: first-touch of every page, caches, specialisation
+                worker.call("run", mode=mode, n=min(n, 2000), threads=count)
             for rep in range(settings.record_repeats):
                 order = plan if rep % 2 == 0 else plan[::-1]
-                for name, worker, mode in order:
-                    reply = worker.call("run", mode=mode, n=n, threads=threads)
+                for name, worker, mode, count in order:
+                    reply = worker.call("run", mode=mode, n=n, threads=count)
                     target.setdefault(name, []).append(reply["ns_per_transfer"])
                     if "exact" in reply:
-                        key = f"{name} x{threads}"
+                        key = f"{name} x{count}"
                         results.exact[key] = results.exact.get(key, True) and reply["exact"]
 
 
