@@ -26,7 +26,6 @@ from bench.common import (
     timed_get,
 )
 
-
 THREAD_RUN_FACTOR = 10
 
 
