@@ -334,12 +334,14 @@ class StoreWriter:
             encode_field(identity.hostname, L.HOSTNAME_SIZE, "hostname"),
             encode_field(identity.local_rank, L.LOCAL_RANK_SIZE, "local rank"),
         )
-        # The C Store, or None where the Python recorders below do the work
-        # (also for negative bounds, which the C table cannot hold).
+        # The C Store, or None where the Python recorders below do the work.
         self.native: Any = None
-        if NATIVE is not None and all(b >= 0 for b in self._bounds):
-            self.native = NATIVE.Store(self._bounds, kinds(self._enabled), self._detached_record,
-                                       self._detached_transfer)
+        if NATIVE is not None:
+            try:
+                self.native = NATIVE.Store(self._bounds, kinds(self._enabled), self._detached_record,
+                                           self._detached_transfer)
+            except ValueError:
+                pass  # negative or unsorted bounds (never from parse_buckets): only bisect places those alike
         # The recorders dicts are mutated in place (fork, close) so callers may
         # keep a reference to them and skip one attribute lookup per event.
         self.recorders: dict[int, Recorder] = {}

@@ -132,3 +132,20 @@ def test_extension_is_loaded_where_ci_requires_it(tmp_path: Path) -> None:
     import app.recording
 
     assert app.recording.Recording is not app.recording.PyRecording
+
+
+@pytest.mark.parametrize("bounds", [(100.0, 10.0), (-5.0, 10.0)])
+def test_bounds_the_c_table_cannot_hold_take_the_python_path(tmp_dir: Path, make_writer, bounds) -> None:
+    """Unsorted or negative bounds (never from NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US) still place like bisect_left."""
+    from bisect import bisect_left
+
+    writer = make_writer(bounds=bounds)
+    assert writer.native is None
+    for value in (0, 7, 50, 500):
+        writer.record(store.writer.EventType.AGENT_XFER_TIME, value)
+    words = memoryview(writer.path.read_bytes()).cast("Q")
+    base = L.W_BUCKETS + store.writer.EventType.AGENT_XFER_TIME * L.BUCKET_SLOTS
+    expected = [0] * L.BUCKET_SLOTS
+    for value in (0, 7, 50, 500):
+        expected[bisect_left([int(b // 1) for b in bounds], value)] += 1
+    assert list(words[base:base + L.BUCKET_SLOTS]) == expected
