@@ -244,6 +244,7 @@ Store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 	if (!s)
 		return NULL;
 	s->words = NULL;
+	s->detached = s->detached_transfer = NULL;  /* before any early Py_DECREF(s) */
 	s->nbounds = PyTuple_GET_SIZE(bounds);
 	memcpy(s->kind, kind, SLOTS);
 	for (i = 0; i < s->nbounds; i++) {
