@@ -170,8 +170,12 @@ def _targets(results: Results) -> list[list[str]]:
             r = median(results.record["ours: 1 x export_event"]) / median(results.record["no-op method"])
             rows.append(["one export_event <= 3x a no-op Python method", f"{r:.2f}x", "met" if r <= 3 else "NOT met"])
     if results.threads:
-        scale = {path: median(results.threads[f"{path}: record_transfer"])
-                 / median(results.threads[f"{path}: record_transfer, 1 thread"]) for path in ("ours", "pure Python")}
+        # The median of each repetition's ratio (its threaded and 1-thread runs are adjacent in time), so
+        # that the machine's load drifting over the run cancels out.
+        scale = {path: median([many / one for many, one in zip(results.threads[f"{path}: record_transfer"],
+                                                              results.threads[f"{path}: record_transfer, 1 thread"],
+                                                              strict=True)])
+                 for path in ("ours", "pure Python")}
         exact = all(results.exact.values())
         rows.append(["threads scale at least as well as the pure-Python path (record_transfer, "
                      "ns per transfer with N threads / with 1, interleaved), totals exact",
