@@ -99,15 +99,16 @@ def record(settings: Settings, results: Results, threads: int) -> None:
                     ("prometheus_client mp", ref, "updates", threads)]
             if threads == 1:
                 plan += [("ours: 1 x export_event", ours, "one", 1), ("no-op method", ours, "noop", 1)]
-            else:  # the single-thread baseline of the scaling, interleaved with the threaded runs
+            else:  # the scaling's baseline, interleaved: one thread, started and joined like the N threads
                 plan += [("ours: record_transfer, 1 thread", ours, "transfer", 1),
                          ("pure Python: record_transfer, 1 thread", py, "transfer", 1)]
+            in_thread = threads > 1
             for _, worker, mode, count in plan:  # warm-up: first-touch of every page, caches, specialisation
-                worker.call("run", mode=mode, n=min(n, 2000), threads=count)
+                worker.call("run", mode=mode, n=min(n, 2000), threads=count, in_thread=in_thread)
             for rep in range(settings.record_repeats):
                 order = plan if rep % 2 == 0 else plan[::-1]
                 for name, worker, mode, count in order:
-                    reply = worker.call("run", mode=mode, n=n, threads=count)
+                    reply = worker.call("run", mode=mode, n=n, threads=count, in_thread=in_thread)
                     target.setdefault(name, []).append(reply["ns_per_transfer"])
                     if "exact" in reply:
                         key = f"{name} x{count}"

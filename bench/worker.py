@@ -169,7 +169,7 @@ def _record_handler(modes: dict[str, Callable[[int], None]], requests: Callable[
         n = int(cmd["n"])
         threads = int(cmd.get("threads", 1))
         before = requests() if requests and mode in _REQUESTS_PER_TRANSFER else 0
-        if threads == 1:
+        if threads == 1 and not cmd.get("in_thread"):
             start = time.perf_counter()
             body(n)
             elapsed = time.perf_counter() - start
