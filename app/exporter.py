@@ -32,18 +32,19 @@ from app.config import (
     prepare_directory,
 )
 from app.endpoint import BACKOFF_NS, CLOSE_WAIT_S, NEVER, ScrapeEndpoint
+from app.recording import Recording
 from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, address_is_held, held_addresses_except
-from store import EventType, StoreIdentity, StoreWriter
-from store.metrics import ERROR_EVENTS, error_status
+from store import StoreIdentity, StoreWriter
 from store.warnonce import OnceWarner
-from store.writer import event_type
+from store.writer import NullSink
 
 log = logging.getLogger("nixl_prometheus_mp")
 
 _instances = itertools.count()  # agent_instance: 0, 1, ... per process
 _instances_lock = threading.Lock()
-_STATUS_EVENTS = {error_status(ev): ev for ev in ERROR_EVENTS}
+# How often an event checks that the store file is still on disk (the writers' re-election pace).
+REVALIDATE_NS = 200_000_000
 
 
 def _next_instance() -> int:
@@ -148,8 +149,12 @@ def _release(endpoint: ScrapeEndpoint, writer: StoreWriter, state: _CloseState) 
     return state
 
 
-class Exporter:
-    """One agent's telemetry: its store, and possibly the run's endpoint."""
+class Exporter(Recording):
+    """One agent's telemetry: its store, and possibly the run's endpoint.
+
+    export_event, record_transfer, record_error and record_memory_* come from
+    app.recording (C entry points where store._recorder was built).
+    """
 
     def __init__(self, agent_name: str, environ: Mapping[str, str] | None = None) -> None:
         config = Config.from_env(environ)
@@ -160,8 +165,7 @@ class Exporter:
         identity = StoreIdentity(agent_name, socket.gethostname(), config.local_rank, _next_instance(),
                                  config.buckets)
         self._writer = StoreWriter(config.directory, identity, config.enabled)
-        self._recorders = self._writer.recorders
-        self._transfers = self._writer.transfer_recorders
+        self._bind_recording(self._writer)
         self._closed = False
         self._reclaim_failed = False
         try:
@@ -175,7 +179,8 @@ class Exporter:
         self._finalizer_state = _CloseState()
         self._finalizer = weakref.finalize(self, _release, self._endpoint, self._writer, self._finalizer_state)
         try:
-            self._next_claim_ns = self._endpoint.claim()
+            # Finite even for the owner: events keep checking the store file (_on_deadline).
+            self._next_claim_ns = min(self._endpoint.claim(), time.monotonic_ns() + REVALIDATE_NS)
             self._owners.poll()
         except BaseException:
             self._finalizer()  # ... nor a bound port or a held election
@@ -197,21 +202,16 @@ class Exporter:
     def address(self) -> str:
         return self.config.address
 
-    # -- recording --------------------------------------------------------
+    # -- recording (the entry points are app.recording's) -----------------
 
-    def export_event(self, event: EventType | int, value: int) -> None:
-        """Record one event; a writer may take over the endpoint from here.
-
-        Raises ValueError/TypeError, changing nothing, for an unknown event
-        type or a value that is not an unsigned 64-bit integer.
-        """
-        try:
-            recorder = self._recorders[event]
-        except (KeyError, TypeError):
-            event_type(event)
-            raise
-        if recorder(value) >= self._next_claim_ns:
-            self._reclaim()
+    def _on_deadline(self) -> None:
+        # Re-election pace (every 200 ms at most): also the moment to notice
+        # that our store file was removed from under us, at one fstat.  The
+        # owner, which never re-elects, keeps this pace for that check.
+        self._writer.revalidate()
+        self._reclaim()
+        if not self._closed:
+            self._next_claim_ns = min(self._next_claim_ns, time.monotonic_ns() + REVALIDATE_NS)
 
     def _reclaim(self) -> None:
         """Re-run the election (or, serving, check it); never raises: recording must go on regardless."""
@@ -226,36 +226,6 @@ class Exporter:
                 self._reclaim_failed = True
                 log.warning("re-running the owner election for %s failed; recording goes on and the election "
                             "is retried every %d s", self.address, BACKOFF_NS // 1_000_000_000, exc_info=True)
-
-    def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
-        """The four events NIXL records for one completed transfer.
-
-        TX_BYTES and TX_REQUESTS_NUM (1) for a write, RX_* otherwise, then
-        XFER_POST_TIME and XFER_TIME: under one lock acquisition with one
-        heartbeat.  Raises ValueError/TypeError, changing nothing, unless all
-        three values are unsigned 64-bit integers.
-        """
-        if self._transfers[True if is_write else False](xfer_time_us, post_time_us, nbytes) >= self._next_claim_ns:
-            self._reclaim()
-
-    def record_error(self, status: EventType | str) -> None:
-        """Count one error: an AGENT_ERR_* event type or its status label ("backend")."""
-        if isinstance(status, str):
-            key = status.lower().removeprefix("agent_err_").removeprefix("nixl_err_")
-            if key not in _STATUS_EVENTS:
-                raise ValueError(f"unknown error status {status!r} (valid: {', '.join(_STATUS_EVENTS)})")
-            event = _STATUS_EVENTS[key]
-        else:
-            event = event_type(status)
-            if event not in ERROR_EVENTS:
-                raise ValueError(f"{event.name} is not an error event")
-        self.export_event(event, 1)
-
-    def record_memory_registered(self, nbytes: int) -> None:
-        self.export_event(EventType.AGENT_MEMORY_REGISTERED, nbytes)
-
-    def record_memory_deregistered(self, nbytes: int) -> None:
-        self.export_event(EventType.AGENT_MEMORY_DEREGISTERED, nbytes)
 
     # -- life cycle -------------------------------------------------------
 
@@ -311,29 +281,21 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class NullExporter:
-    """The sink handed out when telemetry is disabled or another exporter is selected."""
+class NullExporter(Recording):
+    """The sink handed out when telemetry is disabled or another exporter is selected.
+
+    Records nothing, but refuses exactly what an Exporter refuses (the same
+    recorders, every event disabled), so code tested with telemetry off does
+    not break when it is switched on.
+    """
 
     serving = False
     store_path = None
 
     def __init__(self, agent_name: str = "", environ: Mapping[str, str] | None = None) -> None:
         self.agent_name = agent_name
-
-    def export_event(self, event: EventType | int, value: int) -> None:
-        pass
-
-    def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:
-        pass
-
-    def record_error(self, status: EventType | str) -> None:
-        pass
-
-    def record_memory_registered(self, nbytes: int) -> None:
-        pass
-
-    def record_memory_deregistered(self, nbytes: int) -> None:
-        pass
+        self._next_claim_ns = NEVER
+        self._bind_recording(NullSink())
 
     def close(self) -> None:
         pass

@@ -26,6 +26,8 @@ from bench.common import (
     timed_get,
 )
 
+THREAD_RUN_FACTOR = 10
+
 
 @dataclass
 class Settings:
@@ -44,6 +46,7 @@ class Settings:
 class Results:
     record: dict[str, list[float]] = field(default_factory=dict)
     threads: dict[str, list[float]] = field(default_factory=dict)
+    exact: dict[str, bool] = field(default_factory=dict)  # recorded totals matched what was sent
     scrape: dict[int, dict[str, Any]] = field(default_factory=dict)
     takeover: list[float] = field(default_factory=list)
     takeover_failures: int = 0
@@ -69,23 +72,47 @@ def _ours_env(directory: Path, port: int) -> dict[str, str]:
 # -- a. and b. ----------------------------------------------------------------------------------------------
 
 def record(settings: Settings, results: Results, threads: int) -> None:
-    """Per-transfer ns: our four export_event calls, our record_transfer, prometheus_client's nine updates."""
+    """Per-transfer ns: ours (C path and pure-Python path) and prometheus_client's nine updates.
+
+    With one thread also one export_event per transfer against a no-op Python
+    method of the same signature (the floor any Python API pays).
+    """
     target = results.record if threads == 1 else results.threads
-    n = settings.record_transfers
-    with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-ref") as ref_dir:
+    # Threaded runs are ten times longer: starting and joining the threads must stay well under 1% of a run
+    # (at ~100 ns per transfer, 10,000 transfers per thread take about as long as starting the threads).
+    n = settings.record_transfers * (1 if threads == 1 else THREAD_RUN_FACTOR)
+    pure_python = {"NIXL_PROMETHEUS_MP_PURE_PYTHON": "1"}
+    with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-py") as py_dir, \
+            _tempdir(settings, "rec-ref") as ref_dir:
         with Worker("record-ours", _ours_env(ours_dir, free_port())) as ours, \
+                Worker("record-ours", {**_ours_env(py_dir, free_port()), **pure_python}) as py, \
                 Worker("record-ref", {"PROMETHEUS_MULTIPROC_DIR": str(ref_dir)}) as ref:
+            if not ours.hello["native"] or py.hello["native"]:
+                raise RuntimeError("expected the C path in one worker and the pure-Python path in the other "
+                                   "(build the extension: pip install -e .)")
             log(f"record x{threads} thread(s): ours pid {ours.pid} (serving={ours.hello['serving']}), "
-                f"reference pid {ref.pid} ({ref.hello['value_class']})")
-            plan = [("ours: 4 x export_event", ours, "events"), ("ours: record_transfer", ours, "transfer"),
-                    ("prometheus_client mp", ref, "updates")]
-            for _, worker, mode in plan:  # warm-up: first-touch of every page, caches, specialisation
-                worker.call("run", mode=mode, n=min(n, 2000), threads=threads)
+                f"pure-Python pid {py.pid}, reference pid {ref.pid} ({ref.hello['value_class']})")
+            plan = [("ours: 4 x export_event", ours, "events", threads),
+                    ("ours: record_transfer", ours, "transfer", threads),
+                    ("pure Python: 4 x export_event", py, "events", threads),
+                    ("pure Python: record_transfer", py, "transfer", threads),
+                    ("prometheus_client mp", ref, "updates", threads)]
+            if threads == 1:
+                plan += [("ours: 1 x export_event", ours, "one", 1), ("no-op method", ours, "noop", 1)]
+            else:  # the scaling's baseline, interleaved: one thread, started and joined like the N threads
+                plan += [("ours: record_transfer, 1 thread", ours, "transfer", 1),
+                         ("pure Python: record_transfer, 1 thread", py, "transfer", 1)]
+            in_thread = threads > 1
+            for _, worker, mode, count in plan:  # warm-up: first-touch of every page, caches, specialisation
+                worker.call("run", mode=mode, n=min(n, 2000), threads=count, in_thread=in_thread)
             for rep in range(settings.record_repeats):
                 order = plan if rep % 2 == 0 else plan[::-1]
-                for name, worker, mode in order:
-                    reply = worker.call("run", mode=mode, n=n, threads=threads)
+                for name, worker, mode, count in order:
+                    reply = worker.call("run", mode=mode, n=n, threads=count, in_thread=in_thread)
                     target.setdefault(name, []).append(reply["ns_per_transfer"])
+                    if "exact" in reply:
+                        key = f"{name} x{count}"
+                        results.exact[key] = results.exact.get(key, True) and reply["exact"]
 
 
 # -- c. and e. ----------------------------------------------------------------------------------------------

@@ -66,14 +66,24 @@ def _run_threads(count: int, body: Callable[[], None]) -> float:
 _WORKLOAD = transfers(seed=42, count=1000)
 
 
+class _NoOp:
+    """The floor for one export_event: a Python method with the same signature that does nothing."""
+
+    def export_event(self, event: int, value: int) -> None:
+        pass
+
+
 def record_ours() -> tuple[dict[str, Any], Handler]:
+    import store.writer
     from app import Exporter
     from store import EventType as E
+    from store import layout as L
 
     exp = Exporter("bench-rank")
     export_event, record_transfer = exp.export_event, exp.record_transfer
     post_ev, xfer_ev, bytes_ev, req_ev = (E.AGENT_XFER_POST_TIME, E.AGENT_XFER_TIME, E.AGENT_TX_BYTES,
                                           E.AGENT_TX_REQUESTS_NUM)
+    noop = _NoOp()
 
     def events(n: int) -> None:
         work = _WORKLOAD
@@ -90,10 +100,27 @@ def record_ours() -> tuple[dict[str, Any], Handler]:
             for xfer, post, nbytes, is_write in work:
                 record_transfer(xfer, post, nbytes, is_write)
 
-    return {"serving": exp.serving, "store": str(exp.store_path)}, _record_handler({"events": events,
-                                                                                  "transfer": transfer})
+    # One call per transfer, looked up on the object as user code does: ours, and the no-op floor.
+    def one(n: int) -> None:
+        work = _WORKLOAD
+        for _ in range(n // len(work)):
+            for xfer, _p, _n, _w in work:
+                exp.export_event(xfer_ev, xfer)
 
+    def floor(n: int) -> None:
+        work = _WORKLOAD
+        for _ in range(n // len(work)):
+            for xfer, _p, _n, _w in work:
+                noop.export_event(xfer_ev, xfer)
 
+    def requests() -> int:
+        """Requests counted so far (TX + RX): the threads' totals must be exact."""
+        words = memoryview(exp.store_path.read_bytes()).cast("Q")
+        return int(words[L.W_COUNTERS + E.AGENT_TX_REQUESTS_NUM] + words[L.W_COUNTERS + E.AGENT_RX_REQUESTS_NUM])
+
+    hello = {"serving": exp.serving, "store": str(exp.store_path), "native": store.writer.NATIVE is not None}
+    return hello, _record_handler({"events": events, "transfer": transfer, "one": one, "noop": floor},
+                                  requests)
 def record_ref() -> tuple[dict[str, Any], Handler]:
     from prometheus_client import values
 
@@ -131,18 +158,27 @@ def record_ref() -> tuple[dict[str, Any], Handler]:
     return {"value_class": values.ValueClass.__name__}, _record_handler({"updates": updates})
 
 
-def _record_handler(modes: dict[str, Callable[[int], None]]) -> Handler:
+# Requests each mode records per transfer (for the exactness check).
+_REQUESTS_PER_TRANSFER = {"events": 1, "transfer": 1}
+
+
+def _record_handler(modes: dict[str, Callable[[int], None]], requests: Callable[[], int] | None = None) -> Handler:
     def handle(cmd: dict[str, Any]) -> dict[str, Any]:
-        body = modes[cmd["mode"]]
+        mode = cmd["mode"]
+        body = modes[mode]
         n = int(cmd["n"])
         threads = int(cmd.get("threads", 1))
-        if threads == 1:
+        before = requests() if requests and mode in _REQUESTS_PER_TRANSFER else 0
+        if threads == 1 and not cmd.get("in_thread"):
             start = time.perf_counter()
             body(n)
             elapsed = time.perf_counter() - start
         else:
             elapsed = _run_threads(threads, lambda: body(n))
-        return {"ns_per_transfer": elapsed * 1e9 / (n * threads)}
+        reply: dict[str, Any] = {"ns_per_transfer": elapsed * 1e9 / (n * threads)}
+        if requests and mode in _REQUESTS_PER_TRANSFER:
+            reply["exact"] = requests() - before == n * threads * _REQUESTS_PER_TRANSFER[mode]
+        return reply
 
     return handle
 

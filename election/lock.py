@@ -190,9 +190,12 @@ class OwnerElection:
         self._close_fd()
 
     def _close_fd(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        # Forget the number before closing it: a fork landing in between must
+        # not leave a child that closes a number the parent already closed
+        # (EBADF) or, worse, reused for another file.
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def held_addresses_except(directory: str | os.PathLike[str], address: str) -> list[str]:

@@ -78,3 +78,23 @@ def _lock_free_elsewhere(path: str | os.PathLike[str]) -> bool:
 def lock_probe() -> Callable[[str | os.PathLike[str]], bool]:
     """``lock_probe(path)``: True if a separate process can flock(LOCK_EX|LOCK_NB) the file."""
     return _lock_free_elsewhere
+
+
+@pytest.fixture(params=["c", "python"])
+def recording_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on the C recording path (store._recorder) and on its pure-Python twin.
+
+    Writers (and Exporters) created during the test use the chosen path.  The
+    C run is skipped where the extension is not built, unless
+    CI_REQUIRE_SPEEDUPS=1 (CI), where that is a failure.
+    """
+    import store.writer
+
+    if request.param == "c":
+        if store.writer.NATIVE is None:
+            if os.environ.get("CI_REQUIRE_SPEEDUPS") == "1":
+                pytest.fail("store._recorder is not loaded but CI_REQUIRE_SPEEDUPS=1")
+            pytest.skip("store._recorder is not built (or NIXL_PROMETHEUS_MP_PURE_PYTHON=1)")
+    else:
+        monkeypatch.setattr(store.writer, "NATIVE", None)
+    return str(request.param)

@@ -31,6 +31,9 @@ from app import ConfigError, Exporter, NullExporter, create_exporter
 from store import EventType, read_snapshot
 from store.layout import STORE_SIZE
 
+# Every test here runs on the C recording path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("recording_path")
+
 E = EventType
 RETRY_NS = 200_000_000  # the pace: a writer re-runs the election at most every 200 ms
 

@@ -18,6 +18,9 @@ import pytest
 import store
 from store import EventType, Snapshot, read_snapshot, writer_alive
 
+# Every test here runs on the C recording path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("recording_path")
+
 E = EventType
 PROJECT_ROOT = Path(store.__file__).resolve().parents[1]
 

@@ -22,6 +22,9 @@ from hypothesis import strategies as st
 from store import EventType, Snapshot, StoreIdentity, StoreWriter, read_snapshot
 from store import layout as L
 
+# Every test here runs on the C recording path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("recording_path")
+
 E = EventType
 U64_MAX = 2**64 - 1
 LOGGER = "nixl_prometheus_mp.store"

@@ -15,6 +15,9 @@ import store.writer
 from store import EventType, Snapshot, parse_buckets, read_snapshot, writer_alive
 from store import layout as L
 
+# Every test here runs on the C recording path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("recording_path")
+
 LOGGER = "nixl_prometheus_mp.store"
 E = EventType
 

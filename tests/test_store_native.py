@@ -1,0 +1,151 @@
+"""The C recording path (store._recorder) and its pure-Python twin: selected as documented, and equivalent.
+
+Equivalence is proven on files: the same event sequence (valid events, bad
+values and bad types, wrap-around, disabled metrics, odd bucket bounds,
+transfers in both directions) is recorded by two real processes, one per
+path, through StoreWriter and through Exporter; the stores must be byte for
+byte identical (bar the pid and the heartbeat, which differ between any two
+processes) and every refused call must raise the same error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import PROJECT_ROOT
+
+import store.writer
+from store import layout as L
+
+REQUIRED = os.environ.get("CI_REQUIRE_SPEEDUPS") == "1"
+
+# One process's recording; prints which path it ran and what each refused call raised.
+_SCRIPT = textwrap.dedent("""
+    import json, os, random, sys
+    import store.writer
+    from store import EventType, StoreIdentity, StoreWriter
+    from app import Exporter
+
+    U64 = 2**64 - 1
+    directory = sys.argv[1]
+    enabled = {e for e in EventType if e not in (EventType.AGENT_RX_BYTES, EventType.AGENT_XFER_POST_TIME,
+                                                  EventType.AGENT_ERR_BACKEND)}
+    bounds = (0.5, 1.0, 10.5, 99.9, 1000.0, 2.0**64, 1e30)
+    writers = [StoreWriter(directory, StoreIdentity("w-all", "h", "0", 10, bounds)),
+               StoreWriter(directory, StoreIdentity("w-some", "h", "1", 11, bounds), enabled)]
+    exp = Exporter("exp")
+    rng = random.Random(int(sys.argv[2]))
+    values = [0, 1, 2, 10, 11, 99, 100, 1000, 1001, 2**63, U64 - 3, U64,
+              -1, 2**64, 1.0, True, "5", None, EventType.AGENT_RX_BYTES]
+    events = list(EventType) + [int(e) for e in EventType] + [21, -1, True, 1.0, "AGENT_TX_BYTES", None]
+    flags = [True, False, True, False, "no", 1, None]
+    errors = []
+
+    def attempt(call, *args):
+        try:
+            call(*args)
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    for _ in range(3000):
+        for rec, transfer in [(w.record, w.record_transfer) for w in writers] + [
+                (exp.export_event, exp.record_transfer)]:
+            if rng.random() < 0.3:
+                attempt(transfer, rng.choice(values), rng.choice(values), rng.choice(values), rng.choice(flags))
+            else:
+                attempt(rec, rng.choice(events), rng.choice(values))
+    for w in writers:
+        w.close()
+    exp.close()
+    print(json.dumps({"native": store.writer.NATIVE is not None,
+                      "exporter_store": type(exp._store).__name__ if hasattr(exp, "_store") else None,
+                      "stores": sorted(os.listdir(directory)), "errors": errors}))
+""")
+
+
+def _run(directory: Path, pure_python: bool, seed: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NIXL_", "PROMETHEUS_"))}
+    env.update(NIXL_TELEMETRY_MULTIPROC_DIR=str(directory), NIXL_TELEMETRY_PROMETHEUS_PORT="1",
+               NIXL_TELEMETRY_PROMETHEUS_LOCAL="y",
+               NIXL_TELEMETRY_ENABLED_METRICS="agent_tx_*,agent_rx_requests*,agent_xfer_time*,agent_err_*")
+    if pure_python:
+        env["NIXL_PROMETHEUS_MP_PURE_PYTHON"] = "1"
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(directory), str(seed)], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _comparable(path: Path) -> bytes:
+    """The store without the pid and the heartbeat (they differ between any two processes)."""
+    data = bytearray(path.read_bytes())
+    for offset, size in (L.PID_FIELD, L.LAST_UPDATE_FIELD):
+        data[offset:offset + size] = bytes(size)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_c_and_python_paths_write_identical_stores_and_raise_identical_errors(tmp_path: Path, seed: int) -> None:
+    if store.writer.NATIVE is None and not REQUIRED:
+        pytest.skip("store._recorder is not built: nothing to compare the Python path with")
+    c_dir, py_dir = tmp_path / "c", tmp_path / "py"
+    c_dir.mkdir(mode=0o700)
+    py_dir.mkdir(mode=0o700)
+    c_run, py_run = _run(c_dir, False, seed), _run(py_dir, True, seed)
+    assert c_run["native"] and c_run["exporter_store"] == "Store"
+    assert not py_run["native"]
+    assert c_run["errors"] == py_run["errors"]
+    assert len(set(c_run["errors"])) > 10  # the sequence really exercised the refusals
+    c_stores = sorted(c_dir.glob("*.mmap"), key=lambda p: p.name.rsplit(".", 2)[-2])  # by agent_instance
+    py_stores = sorted(py_dir.glob("*.mmap"), key=lambda p: p.name.rsplit(".", 2)[-2])
+    assert len(c_stores) == len(py_stores) == 3
+    for c_store, py_store in zip(c_stores, py_stores, strict=True):
+        assert _comparable(c_store) == _comparable(py_store), (c_store.name, py_store.name)
+    wrapped = memoryview(c_stores[0].read_bytes()).cast("Q")
+    assert any(wrapped[L.W_COUNTERS + ev] < 2**63 for ev in range(L.SLOT_COUNT))  # sanity: values were written
+
+
+def test_pure_python_environment_forces_the_python_path(tmp_path: Path) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIXL_")}
+    env["NIXL_PROMETHEUS_MP_PURE_PYTHON"] = "1"
+    code = ("import store.writer, app.recording as r; "
+            "print(store.writer.NATIVE is None, r.Recording is r.PyRecording)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.split() == ["True", "True"], done.stderr
+
+
+def test_extension_is_loaded_where_ci_requires_it(tmp_path: Path) -> None:
+    """CI (CI_REQUIRE_SPEEDUPS=1) fails here if the default run silently fell back to the Python path."""
+    if not REQUIRED:
+        pytest.skip("CI_REQUIRE_SPEEDUPS is not 1")
+    assert os.environ.get("NIXL_PROMETHEUS_MP_PURE_PYTHON", "") in ("", "0")
+    assert store.writer.NATIVE is not None, "store._recorder was not built or not loadable"
+    import app.recording
+
+    assert app.recording.Recording is not app.recording.PyRecording
+
+
+@pytest.mark.parametrize("bounds", [(100.0, 10.0), (-5.0, 10.0)])
+def test_bounds_the_c_table_cannot_hold_take_the_python_path(tmp_dir: Path, make_writer, bounds) -> None:
+    """Unsorted or negative bounds (never from NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US) still place like bisect_left."""
+    from bisect import bisect_left
+
+    writer = make_writer(bounds=bounds)
+    assert writer.native is None
+    for value in (0, 7, 50, 500):
+        writer.record(store.writer.EventType.AGENT_XFER_TIME, value)
+    words = memoryview(writer.path.read_bytes()).cast("Q")
+    base = L.W_BUCKETS + store.writer.EventType.AGENT_XFER_TIME * L.BUCKET_SLOTS
+    expected = [0] * L.BUCKET_SLOTS
+    for value in (0, 7, 50, 500):
+        expected[bisect_left([int(b // 1) for b in bounds], value)] += 1
+    assert list(words[base:base + L.BUCKET_SLOTS]) == expected
