@@ -13,12 +13,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from support import DEADLINE_S, exporter_env, free_port, http_get, make_exporter_fixture, metrics_url  # noqa: F401
 from support_forge import cpp_reference, forge_store, raw_samples, store_bytes
 
 from app.exposition import Renderer
 from store import layout as L
 from store.reader import Snapshot, decode
+
+pytestmark = pytest.mark.reliability
 
 SCRAPERS = 8
 SCRAPES_EACH = 20

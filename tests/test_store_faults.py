@@ -29,6 +29,8 @@ import store.writer
 from store import layout as L
 from store.metrics import EventType
 
+pytestmark = pytest.mark.reliability
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
