@@ -45,11 +45,11 @@ from store.reader import (
     InvalidStore,
     Snapshot,
     Unreadable,
+    decode_named,
     open_store,
-    probe_alive,
-    read_fd,
     warn_foreign,
 )
+from store.scan import Entry, scan, unreadable
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.collector")
@@ -176,14 +176,19 @@ class Collector:
 
     def collect(self) -> Collection:
         result = Collection()
+        # One call lists, opens, probes and reads every store: with the C
+        # scanner that is one GIL release per scrape, so a busy thread in
+        # this process cannot make each store's system calls wait for it.
         try:
-            names = [e.name for e in os.scandir(self.directory) if is_store_name(e.name)]
+            entries = scan(self.directory)
         except OSError as exc:
             self.scan_failed(exc, result)
             return result
+        # Read *after* every store's bytes were: see place().
+        now = time.monotonic_ns()
         skipped: list[Unreadable] = []
-        for name in names:
-            outcome = self._collect_one(self.directory / name, result)
+        for entry in entries:
+            outcome = self._collect_one(entry, now, result)
             if outcome is not None:
                 skipped.append(outcome)
         if skipped:
@@ -201,28 +206,19 @@ class Collector:
             _warner.warn(("scan", result.scan_error), "%s; /metrics is empty until it can be read again",
                          result.scan_error)
 
-    def _collect_one(self, path: Path, result: Collection) -> Unreadable | None:
-        """Read one store into ``result``; a transient failure is returned for the scrape's summary."""
-        fd = open_store(path)
-        if isinstance(fd, Unreadable):
-            return self.unreadable(fd, result)
-        try:
-            # Probe before reading: a writer that dies in between then only
-            # makes us publish values that were final anyway.
-            alive = probe_alive(fd)
-            content = read_fd(fd, path)
-            if isinstance(content, Unreadable):
-                return self.unreadable(content, result)
-            if isinstance(content, InvalidStore):
-                self.invalid(fd, content, alive, result)
-            else:
-                self.place(fd, content, alive, time.monotonic_ns(), result)
-        finally:
-            os.close(fd)
+    def _collect_one(self, entry: Entry, now: int, result: Collection) -> Unreadable | None:
+        """Place one scanned store in ``result``; a transient failure is returned for the scrape's summary."""
+        if entry.data is None:
+            return self.unreadable(unreadable(entry, self.directory / entry.name), result)
+        content = decode_named(entry.data, self.directory, entry.name)
+        if isinstance(content, InvalidStore):
+            self.invalid(entry.ino, content, entry.alive, result)
+        else:
+            self.place(entry.ino, content, entry.alive, now, result)
         return None
 
-    def place(self, fd: int, snap: Snapshot, alive: bool, now: int, result: Collection) -> None:
-        """Publish a valid store as live or departed, or reap it (``fd``: its open descriptor, for the reap).
+    def place(self, ino: int, snap: Snapshot, alive: bool, now: int, result: Collection) -> None:
+        """Publish a valid store as live or departed, or reap it (``ino``: the inode the scan read, for the reap).
 
         ``now`` is CLOCK_MONOTONIC read *after* the store's bytes were read:
         a stamp written before our read can then never be ahead of it, so a
@@ -234,7 +230,7 @@ class Collector:
             result.live.append(RankView(snap, True, max(0, now - snap.last_update_ns) / 1e9, None))
             return
         if snap.last_update_ns > now:
-            if self._reap(fd, snap.path):
+            if self._reap(snap.path, ino):
                 log.info("reaped %s (agent %r, pid %d): departed, and stamped %.1f s ahead of this host's "
                          "monotonic clock (written before a reboot, or in another time namespace), so its age "
                          "cannot be known", snap.name, snap.agent_name, snap.pid, (snap.last_update_ns - now) / 1e9)
@@ -243,7 +239,7 @@ class Collector:
             return
         age_ns = now - snap.last_update_ns
         if age_ns > self._ttl_ns:
-            if self._reap(fd, snap.path):
+            if self._reap(snap.path, ino):
                 log.info("reaped %s (agent %r, pid %d): departed and not updated for %.1f s, past the %.1f s TTL",
                          snap.name, snap.agent_name, snap.pid, age_ns / 1e9, self.stale_ttl_s)
             else:
@@ -251,9 +247,9 @@ class Collector:
         else:
             result.stale.append(RankView(snap, False, age_ns / 1e9, (self._ttl_ns - age_ns) / 1e9))
 
-    def invalid(self, fd: int, bad: InvalidStore, alive: bool, result: Collection) -> None:
+    def invalid(self, ino: int, bad: InvalidStore, alive: bool, result: Collection) -> None:
         """A store-named file of ours whose bytes are not a store: reaped once nobody holds it."""
-        if not alive and self._reap(fd, bad.path):
+        if not alive and self._reap(bad.path, ino):
             log.warning("reaped %s: it is not a valid schema-1 store (%s) and no process holds it",
                         bad.path.name, bad.reason)
             return
@@ -289,25 +285,36 @@ class Collector:
         return None
 
     @staticmethod
-    def _reap(fd: int, path: Path) -> bool:
+    def _reap(path: Path, ino: int) -> bool:
         """Unlink a departed store while holding its lock, if it is still ours to reap.
 
-        The exclusive lock keeps a concurrent scraper from reaping it at the
-        same time; the inode check makes sure the name still points at the
-        file we read, so a replaced file is never unlinked in its place.
+        The scan closed the store, so it is opened again: it must still be
+        the file the scan read (same inode), and the exclusive lock keeps a
+        writer that reopened it or a concurrent scraper out; the name must
+        still point at that file, so a replaced file is never unlinked in its
+        place.  Rare (once per departed store), so the system calls here are
+        not worth the scanner's care about the GIL.
         """
+        fd = open_store(path)
+        if isinstance(fd, Unreadable):
+            return False  # gone, or replaced by something that is not ours: nothing to reap
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # another reader is probing or reaping it right now: leave it to them
-        try:
-            if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
-                return False
-            os.unlink(path)
-            return True
+            if os.fstat(fd).st_ino != ino:
+                return False  # replaced since the scan: the next scrape judges the new file
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # another reader is probing or reaping it right now: leave it to them
+            try:
+                if os.stat(path, follow_symlinks=False).st_ino != ino:
+                    return False
+                os.unlink(path)
+                return True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 log.warning("could not reap %s: %s", path, os.strerror(exc.errno or 0))
             return False
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

@@ -20,6 +20,7 @@ import math
 import operator
 import os
 import stat
+import struct
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,12 +122,7 @@ def open_store(path: str | os.PathLike[str]) -> int | Unreadable:
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return Unreadable(Path(path), "is a symbolic link, which is never followed")
-        if exc.errno == errno.EACCES:
-            return _permission_denied(Path(path))
-        return Unreadable(Path(path), os.strerror(exc.errno or 0), missing=exc.errno == errno.ENOENT,
-                          transient=exc.errno in TRANSIENT_ERRNOS)
+        return open_failure(Path(path), exc.errno or 0)
     try:
         st = os.fstat(fd)
     except OSError as exc:
@@ -134,11 +130,28 @@ def open_store(path: str | os.PathLike[str]) -> int | Unreadable:
         return Unreadable(Path(path), os.strerror(exc.errno or 0))
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        return Unreadable(Path(path), "is not a regular file")
+        return not_regular(Path(path))
     if st.st_uid != os.geteuid():
         os.close(fd)
-        return Unreadable(Path(path), f"is owned by uid {st.st_uid}, not {os.geteuid()}", foreign=True)
+        return foreign_owner(Path(path), st.st_uid)
     return fd
+
+
+def open_failure(path: Path, err: int) -> Unreadable:
+    """Why opening ``path`` (without following a symlink) failed with errno ``err``."""
+    if err == errno.ELOOP:
+        return Unreadable(path, "is a symbolic link, which is never followed")
+    if err == errno.EACCES:
+        return _permission_denied(path)
+    return Unreadable(path, os.strerror(err), missing=err == errno.ENOENT, transient=err in TRANSIENT_ERRNOS)
+
+
+def not_regular(path: Path) -> Unreadable:
+    return Unreadable(path, "is not a regular file")
+
+
+def foreign_owner(path: Path, uid: int) -> Unreadable:
+    return Unreadable(path, f"is owned by uid {uid}, not {os.geteuid()}", foreign=True)
 
 
 def _permission_denied(path: Path) -> Unreadable:
@@ -203,19 +216,29 @@ _IDENTITY_SLICES = (slice(L.PID_FIELD[0], L.LAST_UPDATE_FIELD[0]),
                     slice(L.AGENT_INSTANCE_FIELD[0], L.COUNTERS_FIELD[0]))
 
 
+# The fixed header up to the agent instance: magic, version, slot count, pid, last update, instance.
+_HEAD_STRUCT = struct.Struct("=QIIqQQ")
+
+
 def decode(data: bytes, path: Path) -> Snapshot | InvalidStore:
     """Validate and decode a store's bytes (at least its first STORE_SIZE)."""
-    directory, name = _directory_of(path), path.name
+    return decode_named(data, _directory_of(path), path.name)
+
+
+def decode_named(data: bytes, directory: Path, name: str) -> Snapshot | InvalidStore:
+    """``decode`` for the store ``name`` in ``directory``: a scrape builds no path per store."""
     if len(data) < L.STORE_SIZE:
         return InvalidStore(directory / name, f"too small ({len(data)} bytes, a store is {L.STORE_SIZE})")
-    v = L.PREFIX_STRUCT.unpack_from(data)
-    magic = v[L.IDX_MAGIC]
-    if magic != L.MAGIC or v[L.IDX_VERSION] != L.SCHEMA_VERSION or v[L.IDX_SLOT_COUNT] != L.SLOT_COUNT:
-        return _invalid_header(v, directory / name)
+    # Only the fixed header first: the names and bounds are decoded once per
+    # identity, not once per scrape.
+    magic, version, slot_count, pid, last_update, instance = _HEAD_STRUCT.unpack_from(data)
+    if magic != L.MAGIC or version != L.SCHEMA_VERSION or slot_count != L.SLOT_COUNT:
+        return _invalid_header(L.PREFIX_STRUCT.unpack_from(data), directory / name)
     pid_slice, ident_slice = _IDENTITY_SLICES
     key = data[pid_slice] + data[ident_slice]
     ident = _identities.get(key)
     if ident is None:
+        v = L.PREFIX_STRUCT.unpack_from(data)
         nb = v[L.IDX_BUCKET_COUNT]
         if nb > L.MAX_BUCKETS:
             return InvalidStore(directory / name, f"bucket count {nb}, at most {L.MAX_BUCKETS}")
@@ -230,8 +253,7 @@ def decode(data: bytes, path: Path) -> Snapshot | InvalidStore:
         _identities[key] = ident
     agent_name, hostname, local_rank, bounds = ident
     words = array("Q", data[:L.STORE_SIZE] if len(data) > L.STORE_SIZE else data)
-    return Snapshot(directory, name, v[L.IDX_PID], v[L.IDX_LAST_UPDATE], v[L.IDX_AGENT_INSTANCE], agent_name,
-                    hostname, local_rank, bounds, words, key)
+    return Snapshot(directory, name, pid, last_update, instance, agent_name, hostname, local_rank, bounds, words, key)
 
 
 def _invalid_header(v: tuple[Any, ...], path: Path) -> InvalidStore:

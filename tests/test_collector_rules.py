@@ -247,9 +247,9 @@ def test_unprivileged_reader_sorts_unreadable_files_correctly(nobodys_dir: Path)
 
 # -- out of descriptors ---------------------------------------------------------------------------------------
 
-# Scans a directory while every descriptor is taken: first another thread of the host takes the last ones between
-# the listing and the opens, then they are still taken when the next scrape lists the directory; then they are
-# back.  The warning's rate limit is set to 0 so that "said again while it lasts" is visible.
+# Scans a directory while the process is out of descriptors: first with exactly one left (enough to list the
+# directory, none to open a store in it), then with none (not even the listing), then with them back.  The
+# warning's rate limit is set to 0 so that "said again while it lasts" is visible.
 EMFILE_SCAN = textwrap.dedent("""
     import json, logging, os, sys
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(levelname)s %(message)s")
@@ -258,24 +258,24 @@ EMFILE_SCAN = textwrap.dedent("""
 
     app.collector._TransientLog.INTERVAL_S = 0.0
     hoard = []
-    real_scandir = os.scandir
 
-    def exhausting(path):
-        entries = list(real_scandir(path))
-        while True:  # after the listing: the process has no descriptor left
+    def starve(left):
+        while True:
             try:
                 hoard.append(os.open("/dev/null", os.O_RDONLY))
             except OSError:
-                return entries
+                break
+        for _ in range(left):
+            os.close(hoard.pop())
 
     def summary(collection):
         return {"warnings": collection.warnings, "published": [s.name for s in collection.published],
                 "scan_error": collection.scan_error}
 
     collector = Collector(sys.argv[1], 3600)
-    app.collector.os.scandir = exhausting
+    starve(1)
     files_starved = summary(collector.collect())
-    app.collector.os.scandir = real_scandir
+    starve(0)
     listing_starved = summary(collector.collect())
     for fd in hoard:
         os.close(fd)

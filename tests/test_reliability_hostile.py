@@ -271,8 +271,13 @@ def test_foreign_owned_files_are_never_read_nor_reaped_and_warned_once_each(tmp_
         os.chown(path, FOREIGN_UID, FOREIGN_UID)
         foreign.append((path, fingerprint(path)))
     read = []
-    real_read_fd = app.collector.read_fd
-    monkeypatch.setattr(app.collector, "read_fd", lambda fd, path: read.append(path) or real_read_fd(fd, path))
+    real_decode = app.collector.decode_named
+
+    def decode_named(data, directory, name):
+        read.append(directory / name)
+        return real_decode(data, directory, name)
+
+    monkeypatch.setattr(app.collector, "decode_named", decode_named)
     caplog.set_level(logging.WARNING)
     with Exporter("good", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")) as exp:
         exp.export_event(EventType.AGENT_RX_BYTES, 5)

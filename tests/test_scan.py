@@ -1,0 +1,184 @@
+"""The scrape's directory scan (store/scan.py and its C speedup store/_scan.c).
+
+Both implementations run on the same directories here and must agree entry
+for entry, including on every hostile kind of file; the collector built on
+either must publish the same thing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import PROJECT_ROOT
+from support import hold_flock, reaper_fixture  # noqa: F401  (pytest fixture)
+
+import app.collector
+from app.collector import Collection, Collector
+from app.exposition import Renderer
+from store import EventType, StoreWriter
+from store import scan as S
+from store.layout import STORE_SIZE
+
+c_scan = pytest.importorskip("store._scan", reason="the C scanner is not built here").scan
+FOREIGN_UID = 12345
+
+
+def both(directory: Path) -> list[tuple[object, ...]]:
+    """Scan with C and with the twin; they must agree; the (shared) result."""
+    from_c = [tuple(S.Entry._make(e)) for e in c_scan(directory)]
+    from_python = [tuple(e) for e in S.scan_python(directory)]
+    assert from_c == from_python
+    return from_c
+
+
+def hostile_directory(directory: Path, make_writer: Callable[..., StoreWriter]) -> dict[str, int]:
+    """Every kind of file a scan can meet; the outcome each must get."""
+    live = make_writer(directory, agent_name="live", instance=0)
+    live.record(EventType.AGENT_TX_BYTES, 4096)
+    departed = make_writer(directory, agent_name="departed", instance=1)
+    departed.record(EventType.AGENT_RX_BYTES, 7)
+    departed.close()
+    (directory / "nixl.10.1.0.mmap").write_bytes(departed.path.read_bytes()[:100])
+    (directory / "nixl.11.1.0.mmap").write_bytes(b"")
+    os.symlink(live.path, directory / "nixl.12.1.0.mmap")
+    os.mkfifo(directory / "nixl.13.1.0.mmap")
+    (directory / "nixl.14.1.0.mmap").mkdir()
+    foreign = directory / "nixl.15.1.0.mmap"
+    shutil.copyfile(departed.path, foreign)
+    os.chown(foreign, FOREIGN_UID, FOREIGN_UID)
+    (directory / "nixl.16.1.0.mmap").write_bytes(departed.path.read_bytes() + b"tail")
+    # Never stores: not one of these may even be opened.
+    for stray in ("nixl.mmap", "nixl..mmap", "nixl.1.2.mmap", "nixl.a.1.0.mmap", "nixl.1.1.0.mmap.staging",
+                  "nixl.-1.1.0.mmap", "nixl.1.1.0.mmapx", "NIXL.1.1.0.mmap", "other"):
+        shutil.copyfile(departed.path, directory / stray)
+    return {live.path.name: S.OK, departed.path.name: S.OK, "nixl.10.1.0.mmap": S.SHORT,
+            "nixl.11.1.0.mmap": S.SHORT, "nixl.12.1.0.mmap": S.UNREADABLE, "nixl.13.1.0.mmap": S.NOT_REGULAR,
+            "nixl.14.1.0.mmap": S.NOT_REGULAR, "nixl.15.1.0.mmap": S.FOREIGN, "nixl.16.1.0.mmap": S.OK}
+
+
+def test_c_and_python_scans_agree_on_every_kind_of_file(tmp_dir: Path, make_writer) -> None:
+    expected = hostile_directory(tmp_dir, make_writer)
+    entries = [S.Entry._make(e) for e in both(tmp_dir)]
+    assert {e.name: e.outcome for e in entries} == expected
+    assert [e.name for e in entries] == sorted(expected)
+    by_name = {e.name: e for e in entries}
+    live, departed = (name for name in expected if name.startswith(f"nixl.{os.getpid()}."))
+    assert by_name[live].alive and not by_name[departed].alive
+    assert by_name[live].data == (tmp_dir / live).read_bytes()
+    assert by_name["nixl.10.1.0.mmap"].data is not None and len(by_name["nixl.10.1.0.mmap"].data) == 100
+    assert by_name["nixl.12.1.0.mmap"].err == errno.ELOOP
+    assert by_name["nixl.15.1.0.mmap"].uid == FOREIGN_UID and by_name["nixl.15.1.0.mmap"].data is None
+    assert len(by_name["nixl.16.1.0.mmap"].data or b"") == STORE_SIZE
+    assert by_name[departed].ino == os.stat(tmp_dir / departed).st_ino
+
+
+def test_a_lock_held_by_another_process_reads_as_alive_on_both(tmp_dir: Path, make_writer, reaper) -> None:
+    writer = make_writer(agent_name="gone")
+    writer.close()
+    assert [e[3] for e in both(tmp_dir)] == [False]
+    holder = hold_flock(reaper, writer.path)
+    assert [e[3] for e in both(tmp_dir)] == [True]
+    holder.kill()
+    assert [e[3] for e in both(tmp_dir)] == [False]
+
+
+@pytest.mark.parametrize("what", ["missing", "a file"])
+def test_a_directory_that_cannot_be_listed_raises_the_same_error(tmp_dir: Path, what: str) -> None:
+    target = tmp_dir / "absent"
+    if what == "a file":
+        target.write_bytes(b"")
+    errors = []
+    for scan in (c_scan, S.scan_python):
+        with pytest.raises(OSError) as info:
+            scan(target)
+        errors.append((info.value.errno, os.fspath(info.value.filename)))
+    assert errors[0] == errors[1] == (errno.ENOENT if what == "missing" else errno.ENOTDIR, str(target))
+
+
+def test_stores_vanishing_during_scans_are_missing_never_an_error(tmp_dir: Path, make_writer) -> None:
+    keep = make_writer(agent_name="keep")
+    template = keep.path.read_bytes()
+    stop = threading.Event()
+
+    def churn() -> None:
+        # Create and delete stores as fast as possible, so that scans list
+        # names that are gone by the time they are opened.
+        n = 0
+        while not stop.is_set():
+            path = tmp_dir / f"nixl.{n % 50 + 100}.1.0.mmap"
+            path.write_bytes(template)
+            path.unlink()
+            n += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    outcomes: set[int] = set()
+    try:
+        for _ in range(300):
+            for scan in (c_scan, S.scan_python):
+                entries = [S.Entry._make(e) for e in scan(tmp_dir)]
+                assert keep.path.name in {e.name for e in entries}
+                outcomes |= {e.outcome for e in entries}
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    # write_bytes truncates then writes, so a scan can also meet a short file
+    assert outcomes <= {S.OK, S.MISSING, S.SHORT}
+
+
+def collection_facts(result: Collection, directory: Path) -> str:
+    facts = ([(v.snapshot.name, v.alive, v.reap_in_s is None) for v in result.live + result.stale],
+             result.warnings, result.scan_error)
+    return json.dumps(facts).replace(str(directory), "<dir>")
+
+
+def test_the_collector_publishes_and_reaps_the_same_on_both_paths(tmp_dir: Path, make_writer, monkeypatch) -> None:
+    results = []
+    for tag, scan in (("c", lambda d: list(map(S.Entry._make, c_scan(d)))), ("python", S.scan_python)):
+        directory = tmp_dir / tag
+        directory.mkdir()
+        hostile_directory(directory, make_writer)
+        monkeypatch.setattr(app.collector, "scan", scan)
+        collector = Collector(directory, stale_ttl_s=3600)
+        first = collector.collect()  # reaps the short files nobody holds
+        second = collector.collect()
+        results.append((collection_facts(first, directory), collection_facts(second, directory),
+                        Renderer().render(second.published), sorted(os.listdir(directory))))
+    assert results[0] == results[1]
+    first_facts, second_facts, body, left = results[0]
+    assert first_facts == second_facts  # what was reaped is neither published nor warned about
+    assert b'agent_name="live"' in body and b'agent_name="departed"' in body
+    assert {w["kind"] for w in json.loads(second_facts)[1]} == {"unreadable-store", "foreign-store", "duplicate-labels"}
+    assert "nixl.10.1.0.mmap" not in left and "nixl.11.1.0.mmap" not in left and "nixl.mmap" in left
+
+
+def test_both_paths_reap_only_what_the_scan_judged(tmp_dir: Path, make_writer, monkeypatch) -> None:
+    for scan in (lambda d: list(map(S.Entry._make, c_scan(d))), S.scan_python):
+        monkeypatch.setattr(app.collector, "scan", scan)
+        gone = make_writer(agent_name="gone")
+        gone.close()
+        live = make_writer(agent_name="live", instance=1)
+        Collector(tmp_dir, stale_ttl_s=0).collect()
+        assert not gone.path.exists() and live.path.exists()
+        live.close()
+        live.path.unlink()
+
+
+def test_the_c_scanner_is_used_unless_the_python_path_is_forced() -> None:
+    code = "import store.scan as s; print(s.scan is s.scan_python)"
+    outputs = []
+    for forced in ("", "1"):
+        env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": forced}
+        done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, check=True)
+        outputs.append(done.stdout.strip())
+    assert outputs == ["False", "True"]
