@@ -18,8 +18,10 @@ from bench import scenarios
 from bench.common import fmt_ratio, log, machine, median, ratio, table
 from bench.scenarios import Results, Settings
 
-SCENARIOS = ("record", "threads", "scrape", "takeover", "memory")
+SCENARIOS = ("record", "threads", "scrape", "plugin", "busy", "takeover", "memory")
 FLAT_LIMIT = 1.5
+PLUGIN_TARGET = 1.5  # our scrape at least this much faster than the C++ plug-in's, at every size
+BUSY_LIMIT = 2.0  # a busy owner's scrape at most this much slower than its idle one
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -47,8 +49,10 @@ def _settings(args: argparse.Namespace) -> Settings:
     s = Settings(ranks=ranks, threads=args.threads, tmp=args.tmp)
     if args.quick:
         s.record_repeats, s.record_transfers, s.scrape_repeats, s.inproc_repeats, s.takeover_repeats = 5, 4000, 3, 3, 3
+        s.plugin_repeats = s.busy_repeats = 3
     if args.repeats is not None:
         s.record_repeats = s.scrape_repeats = s.inproc_repeats = s.takeover_repeats = max(1, args.repeats)
+        s.plugin_repeats = s.busy_repeats = max(1, args.repeats)
     if args.transfers is not None:
         s.record_transfers = max(1000, args.transfers // 1000 * 1000)
     return s
@@ -128,6 +132,47 @@ def _scrape_section(results: Results) -> list[str]:
     return out
 
 
+def _plugin_section(results: Results) -> list[str]:
+    title = ("**Scrape vs the C++ plug-in** (nixl-cu12 1.5.1, prometheus-cpp/civetweb) over the same live stores: "
+             "one GET /metrics on a fresh connection, body read to the end, as Prometheus sends it (its Accept "
+             "header, Accept-Encoding: gzip) and plain (no headers); ours is MetricsApp under the in-process "
+             "endpoint's werkzeug server (median, interleaved)")
+    if results.plugin_missing:
+        return [title, "", f"C++ plug-in: {results.plugin_missing}.", ""]
+    if not results.plugin:
+        return []
+    rows = []
+    for count, e in sorted(results.plugin.items()):
+        prom_ours, prom_cpp = median(e["prom_ours"]), median(e["prom_cpp"])
+        plain_ours, plain_cpp = median(e["plain_ours"]), median(e["plain_cpp"])
+        rows.append([str(count), _ms(prom_ours), _ms(prom_cpp), fmt_ratio(ratio(prom_cpp, prom_ours)),
+                     f"{e['wire_ours']:,} / {e['wire_cpp']:,}" + ("" if e["gzip_cpp"] else " (plug-in: no gzip)"),
+                     _ms(plain_ours), _ms(plain_cpp), fmt_ratio(ratio(plain_cpp, plain_ours)),
+                     f"{e['bytes_ours']:,} / {e['bytes_cpp']:,}", f"{e['samples_ours']:,} / {e['samples_cpp']:,}"])
+    return [title, "", table(["ranks", "Prometheus: ours ms", "plug-in ms", "ratio", "bytes on the wire ours / "
+                              "plug-in", "plain: ours ms", "plug-in ms", "ratio", "bytes ours / plug-in",
+                              "samples ours / plug-in"], rows), ""]
+
+
+def _busy_section(results: Results) -> list[str]:
+    if not results.busy:
+        return []
+    rows = []
+    for count, e in sorted(results.busy.items()):
+        for path, label in (("c", "C scanner"), ("python", "pure Python")):
+            if f"idle_{path}" not in e:
+                continue
+            idle, busy = median(e[f"idle_{path}"]), median(e[f"busy_{path}"])
+            stall = e[f"stall_{path}"]
+            rows.append([str(count), label, _ms(idle), _ms(busy), f"{busy / idle:.1f}x", _ms(median(stall)),
+                         _ms(max(stall))])
+    return ["**Busy owner**: the in-process owner scraped (as Prometheus scrapes) while one thread of its rank "
+            "calls record_transfer flat out, vs the same owner idle (alternating); the stall is the recording "
+            "loop's longest gap between two iterations during a scrape (median, and the worst of the run)", "",
+            table(["ranks", "collector", "idle ms", "busy ms", "busy / idle", "recording stall ms",
+                   "worst stall ms"], rows), ""]
+
+
 def _takeover_section(results: Results, settings: Settings) -> list[str]:
     if not results.takeover and not results.takeover_failures:
         return []
@@ -199,6 +244,19 @@ def _targets(results: Results) -> list[list[str]]:
             spread = max(per.values()) / min(per.values()) if mode == "inproc" else per[counts[-1]] / per[counts[0]]
             rows.append([f"per-rank scrape cost flat within {FLAT_LIMIT}x ({label})", f"{spread:.2f}x",
                          "met" if spread <= FLAT_LIMIT else "NOT met"])
+    for count, e in sorted(results.plugin.items()):
+        r = ratio(median(e["prom_cpp"]), median(e["prom_ours"]))
+        rows.append([f"scrape of {count} ranks >= {PLUGIN_TARGET}x faster than the C++ plug-in (as Prometheus "
+                     "scrapes)", fmt_ratio(r), "met" if r >= PLUGIN_TARGET else "NOT met"])
+    if results.plugin_missing:
+        rows.append([f"scrape >= {PLUGIN_TARGET}x faster than the C++ plug-in", results.plugin_missing, "-"])
+    for count, e in sorted(results.busy.items()):
+        path = "c" if "idle_c" in e else "python"
+        r = median(e[f"busy_{path}"]) / median(e[f"idle_{path}"])
+        stall = e[f"stall_{path}"]
+        rows.append([f"busy owner's scrape of {count} ranks <= {BUSY_LIMIT:g}x its idle time (recording stall "
+                     "median / worst)", f"{r:.1f}x ({_ms(median(stall))} / {_ms(max(stall))} ms)",
+                     "met" if r <= BUSY_LIMIT else "NOT met"])
     if results.takeover or results.takeover_failures:
         worst = max(results.takeover) if results.takeover else float("inf")
         med = median(results.takeover) if results.takeover else float("inf")
@@ -220,6 +278,8 @@ def report(results: Results, settings: Settings, info: dict[str, str], command: 
     lines += _record_section(results, settings, 1)
     lines += _record_section(results, settings, settings.threads)
     lines += _scrape_section(results)
+    lines += _plugin_section(results)
+    lines += _busy_section(results)
     lines += _takeover_section(results, settings)
     lines += _memory_section(results)
     targets = _targets(results)
@@ -251,6 +311,10 @@ def main(argv: list[str]) -> int:
         settings.ranks = [max(settings.ranks)]
         settings.scrape_repeats = settings.inproc_repeats = 1
         scenarios.scrape(settings, results, with_http=False)
+    if "plugin" in chosen:
+        scenarios.plugin(settings, results)
+    if "busy" in chosen:
+        scenarios.busy(settings, results)
     if "takeover" in chosen:
         scenarios.takeover(settings, results)
     if "memory" not in chosen:

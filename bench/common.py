@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gzip
 import http.client
 import json
 import os
@@ -92,25 +93,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def http_get(port: int, path: str = "/metrics", timeout: float = 120.0) -> tuple[int, bytes]:
-    """One GET on a fresh connection, body read to the end."""
+# What Prometheus sends when it scrapes (2.x and 3.x defaults without the UTF-8 escaping options).
+PROMETHEUS_HEADERS: Mapping[str, str] = {
+    "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "Accept-Encoding": "gzip",
+}
+
+
+def http_get(port: int, path: str = "/metrics", timeout: float = 120.0,
+             headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
+    """One GET on a fresh connection, body read to the end (as sent: still compressed if it was)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=dict(headers or {}))
         response = conn.getresponse()
         return response.status, response.read()
     finally:
         conn.close()
 
 
-def timed_get(port: int) -> tuple[float, bytes]:
-    """Seconds for one GET /metrics (connect, request, the whole body), and the body."""
+def timed_get(port: int, headers: Mapping[str, str] | None = None) -> tuple[float, bytes]:
+    """Seconds for one GET /metrics (connect, request, the whole body), and the body as sent."""
     start = time.perf_counter()
-    status, body = http_get(port)
+    status, body = http_get(port, headers=headers)
     elapsed = time.perf_counter() - start
     if status != 200:
         raise RuntimeError(f"GET /metrics on port {port} answered {status}")
     return elapsed, body
+
+
+def decoded(body: bytes) -> bytes:
+    """A body as the scraper reads it (gunzipped if it was sent compressed)."""
+    return gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body
 
 
 def sample_lines(body: bytes) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import random
 import shutil
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
+    PROMETHEUS_HEADERS,
     Worker,
+    decoded,
     filesystem_of,
     free_port,
     http_get,
@@ -25,6 +28,8 @@ from bench.common import (
     sample_lines,
     timed_get,
 )
+from store import native
+from store.native import PURE_PYTHON_ENV
 
 THREAD_RUN_FACTOR = 10
 
@@ -37,6 +42,9 @@ class Settings:
     threads: int = 4
     scrape_repeats: int = 9
     inproc_repeats: int = 9
+    plugin_repeats: int = 11
+    busy_repeats: int = 9
+    busy_ranks: tuple[int, ...] = (8, 64, 256)
     takeover_repeats: int = 9
     takeover_rate: float = 10.0
     tmp: str | None = None
@@ -51,6 +59,9 @@ class Results:
     takeover: list[float] = field(default_factory=list)
     takeover_failures: int = 0
     memory: dict[str, Any] = field(default_factory=dict)
+    plugin: dict[int, dict[str, Any]] = field(default_factory=dict)
+    plugin_missing: str | None = None  # why the plug-in rows are empty
+    busy: dict[int, dict[str, Any]] = field(default_factory=dict)
     fs: str = "?"
 
 
@@ -244,3 +255,95 @@ def takeover(settings: Settings, results: Results) -> None:
                     if worker is not None:
                         with contextlib.suppress(subprocess.TimeoutExpired):
                             worker.proc.wait(timeout=10)
+
+
+# -- f. -----------------------------------------------------------------------------------------------------
+
+PLUGIN_WHEEL = "nixl-cu12==1.5.1"
+
+
+def _plugin_env(directory: Path, port: int) -> dict[str, str]:
+    return {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
+            "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+            "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "NIXL_LOG_LEVEL": "WARN"}
+
+
+def plugin(settings: Settings, results: Results) -> None:
+    """Ours vs the C++ plug-in's endpoint (prometheus-cpp) over the same live stores, interleaved.
+
+    One directory per size: ``count - 1`` live stores written by our StoreWriter (one process holds
+    them all, locked) plus the store of the C++ agent that wins the election and serves with
+    prometheus-cpp; our MetricsApp (the in-process endpoint's server) serves the same directory on
+    another port.  Each is scraped as Prometheus scrapes (its Accept header, gzip) and plainly.
+    """
+    if importlib.util.find_spec("nixl_cu12") is None:
+        results.plugin_missing = f"not installed (pip install --no-deps {PLUGIN_WHEEL} numpy)"
+        log(f"plugin: {results.plugin_missing}")
+        return
+    for count in settings.ranks:
+        with _tempdir(settings, f"plugin-{count}") as directory:
+            log(f"plugin {count} ranks: filling the directory, starting both owners")
+            cpp_port = free_port()
+            with Worker("fill-ours", None, str(count - 1), str(directory)), \
+                    Worker("plugin-owner", _plugin_env(directory, cpp_port)), \
+                    Worker("serve-ours", None, str(directory)) as ours:
+                results.plugin[count] = _plugin_one(settings, count, ours.hello["port"], cpp_port)
+
+
+def _plugin_one(settings: Settings, count: int, ours_port: int, cpp_port: int) -> dict[str, Any]:
+    if _wait_serving(cpp_port, 10) is None:
+        raise RuntimeError("the C++ plug-in never served its port")
+    entry: dict[str, Any] = {"prom_ours": [], "prom_cpp": [], "plain_ours": [], "plain_cpp": []}
+    for side, port in (("ours", ours_port), ("cpp", cpp_port)):
+        _, wire = timed_get(port, PROMETHEUS_HEADERS)  # warm-up, and the sizes
+        _, plain = timed_get(port)
+        entry[f"wire_{side}"], entry[f"bytes_{side}"] = len(wire), len(plain)
+        entry[f"gzip_{side}"] = wire[:2] == b"\x1f\x8b"
+        entry[f"samples_{side}"] = sample_lines(decoded(wire))
+    repeats = settings.plugin_repeats if count <= 256 else max(3, settings.plugin_repeats // 2)
+    for rep in range(repeats):
+        plan = [("prom_ours", ours_port, PROMETHEUS_HEADERS), ("prom_cpp", cpp_port, PROMETHEUS_HEADERS),
+                ("plain_ours", ours_port, None), ("plain_cpp", cpp_port, None)]
+        for key, port, headers in plan if rep % 2 == 0 else plan[::-1]:
+            entry[key].append(timed_get(port, headers)[0])
+    log(f"plugin {count} ranks: {repeats} interleaved scrapes of each kind "
+        f"(wire bytes ours {entry['wire_ours']:,}, plug-in {entry['wire_cpp']:,})")
+    return entry
+
+
+def busy(settings: Settings, results: Results) -> None:
+    """Our in-process owner's scrape while one thread of its rank records flat out, vs the same owner idle.
+
+    Idle and busy scrapes alternate; for each busy one, the owner reports the longest gap its recording
+    loop saw during the scrape (the GIL taken away from the rank).  Where the C scanner is built, a second
+    owner forced onto the pure-Python path (NIXL_PROMETHEUS_MP_PURE_PYTHON=1) runs beside it, each over
+    its own directory of the same size, their scrapes interleaved.
+    """
+    paths = {"c": {}, "python": {PURE_PYTHON_ENV: "1"}} if native.load("_scan") is not None else \
+        {"python": {PURE_PYTHON_ENV: "1"}}
+    for count in (c for c in settings.busy_ranks if not settings.ranks or c <= max(settings.ranks)):
+        log(f"busy owner {count} ranks ({' and '.join(paths)} scanner)")
+        with contextlib.ExitStack() as stack:
+            owners = []
+            for path, extra in paths.items():
+                directory = stack.enter_context(_tempdir(settings, f"busy-{path}-{count}"))
+                port = free_port()
+                stack.enter_context(Worker("fill-ours", None, str(count - 1), str(directory)))
+                owner = stack.enter_context(Worker("busy-owner", {**_ours_env(directory, port), **extra}))
+                if not owner.hello["serving"]:
+                    raise RuntimeError("the busy owner did not win the election")
+                timed_get(port, PROMETHEUS_HEADERS)  # warm-up
+                owners.append((path, owner, port))
+            entry: dict[str, Any] = {f"{kind}_{path}": [] for path in paths for kind in ("idle", "busy", "stall")}
+            for rep in range(settings.busy_repeats):
+                for path, owner, port in owners if rep % 2 == 0 else owners[::-1]:
+                    entry[f"idle_{path}"].append(timed_get(port, PROMETHEUS_HEADERS)[0])
+                    owner.call("busy")
+                    time.sleep(0.05)  # the loop is running flat out before the scrape starts
+                    start = time.monotonic()
+                    entry[f"busy_{path}"].append(timed_get(port, PROMETHEUS_HEADERS)[0])
+                    end = time.monotonic()
+                    entry[f"stall_{path}"].append(owner.call("stall", start=start, end=end)["seconds"])
+                    owner.call("idle")
+                    time.sleep(0.02)
+            results.busy[count] = entry

@@ -296,6 +296,62 @@ def _serve_handler(inproc: Callable[[], int]) -> Handler:
     return handle
 
 
+# -- f.: the C++ plug-in's endpoint, and our in-process owner under load ------------------------------------
+
+def plugin_owner() -> tuple[dict[str, Any], Handler]:
+    """A NIXL agent (nixl-cu12's C++ prometheus_mp plug-in) that wins the election and serves the directory.
+
+    Its environment (NIXL_TELEMETRY_*) comes from the scenario; it writes one store of its own.
+    """
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(f"cpp-{os.getpid()}", nixl_agent_config(backends=[]))
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"agent": agent.name}
+
+    return {"pid": os.getpid()}, handle
+
+
+def busy_owner() -> tuple[dict[str, Any], Handler]:
+    """An Exporter that serves in-process while one thread of its rank records transfers flat out.
+
+    The recording loop notes every gap between two of its iterations longer than 0.5 ms (the GIL taken
+    away from it), so the scenario can ask for the longest one during each scrape.
+    """
+    from app import Exporter
+
+    exp = Exporter(f"busy-{os.getpid()}")
+    record_transfer = exp.record_transfer
+    running = threading.Event()
+    gaps: list[tuple[float, float]] = []
+
+    def loop() -> None:
+        while running.wait():
+            last = time.monotonic()
+            while running.is_set():
+                record_transfer(1200, 30, 4096, True)
+                now = time.monotonic()
+                if now - last > 0.0005:
+                    gaps.append((last, now))
+                last = now
+
+    threading.Thread(target=loop, daemon=True).start()
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "busy":
+            gaps.clear()
+            running.set()
+        elif cmd["op"] == "idle":
+            running.clear()
+        elif cmd["op"] == "stall":  # the longest gap overlapping the window [start, end] (monotonic s)
+            start, end = float(cmd["start"]), float(cmd["end"])
+            return {"seconds": max((b - a for a, b in gaps if b > start and a < end), default=0.0)}
+        return {"serving": exp.serving}
+
+    return {"serving": exp.serving, "pid": os.getpid()}, handle
+
+
 # -- d.: a rank for the takeover ---------------------------------------------------------------------------
 
 def rank(rate: float) -> tuple[dict[str, Any], Handler]:
@@ -329,11 +385,17 @@ KINDS: dict[str, Callable[..., tuple[dict[str, Any], Handler]]] = {
     "serve-ours": serve_ours,
     "serve-ref": serve_ref,
     "rank": lambda rate: rank(float(rate)),
+    "plugin-owner": plugin_owner,
+    "busy-owner": busy_owner,
 }
 
 
 def main(argv: list[str]) -> int:
-    out = sys.stdout
+    # The protocol gets its own descriptor; whatever else writes to stdout (the C++ plug-in's agent logs
+    # there) goes to stderr, so it cannot corrupt the JSON lines.
+    out = open(os.dup(sys.stdout.fileno()), "w", buffering=1)  # open for the process's life
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
         hello, handle = KINDS[argv[0]](*argv[1:])
     except Exception:
