@@ -168,8 +168,10 @@ def _scrape_one(settings: Settings, count: int, srv_ours: Worker, srv_ref: Worke
     _, body_ref = timed_get(ref_port)
     entry.update(bytes_ours=len(body_ours), bytes_ref=len(body_ref), samples_ours=sample_lines(body_ours),
                  samples_ref=sample_lines(body_ref))
-    # The reference costs ~1000x more at 1024 ranks: fewer repeats there keep the run bounded.
-    repeats = settings.scrape_repeats if count <= 256 else max(3, settings.scrape_repeats // 2)
+    # The reference costs seconds per scrape from 256 ranks on: fewer repeats there (and two calls per
+    # in-process batch for it, one kept) keep the default run within a few minutes.
+    big = count >= 256
+    repeats = min(3, settings.scrape_repeats) if big else settings.scrape_repeats
     log(f"scrape {count} ranks: {repeats} interleaved GETs each ({len(body_ours)} vs {len(body_ref)} bytes)")
     if with_http:
         for rep in range(repeats):
@@ -178,10 +180,10 @@ def _scrape_one(settings: Settings, count: int, srv_ours: Worker, srv_ref: Worke
                 entry[key].append(timed_get(port)[0])
     # In-process: batches of back-to-back calls (the first of each batch dropped: it pays for the caches
     # the pause before it cooled), ours and the reference's batches alternating.
-    for rep in range(repeats if count > 256 else settings.inproc_repeats):
-        pair = [("inproc_ours", srv_ours), ("inproc_ref", srv_ref)]
-        for key, worker in pair if rep % 2 == 0 else pair[::-1]:
-            entry[key] += worker.call("inproc", k=4 if count > 256 else 6)["seconds"][1:]
+    for rep in range(repeats if big else settings.inproc_repeats):
+        pair = [("inproc_ours", srv_ours, 6), ("inproc_ref", srv_ref, 2 if big else 6)]
+        for key, worker, k in pair if rep % 2 == 0 else pair[::-1]:
+            entry[key] += worker.call("inproc", k=k)["seconds"][1:]
     return entry
 
 
