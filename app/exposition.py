@@ -29,13 +29,13 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.exposition import generate_latest as generate_text
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from store import Snapshot
+from store import Snapshot, native
 from store.layout import BUCKET_SLOTS, W_BUCKETS, W_COUNTERS, W_GAUGES, W_SUMS
 from store.metrics import FAMILIES, Family, error_status
 
@@ -206,6 +206,21 @@ class _RankLines:
         return template
 
 
+def _plan(fam: Family) -> tuple[int, tuple[int, ...]]:
+    """What store._render fills family ``fam``'s template with: (1, (first bucket word, sum word)) for a
+    histogram, else (0, the word of each line)."""
+    slot = fam.events[0]
+    if fam.kind == "histogram":
+        return 1, (W_BUCKETS + slot * BUCKET_SLOTS, W_SUMS + slot)
+    if fam.kind == "gauge":
+        return 0, (W_GAUGES + slot,)
+    return 0, tuple(W_COUNTERS + ev for ev in fam.events)
+
+
+_PLAN = tuple(_plan(fam) for fam in FAMILIES)
+_native = native.load("_render")
+
+
 class Renderer:
     """Renders snapshots to exposition bytes, caching each store's templates.
 
@@ -242,6 +257,13 @@ class Renderer:
             if len(cache) > 2 * len(snapshots) + 64:  # departed stores: keep the cache bounded
                 keep = {snap.identity_key for snap in snapshots}
                 self._cache = {k: v for k, v in cache.items() if k in keep}
+        if _native is not None:
+            # The same fill in C, without the GIL; None leaves it to the loop below (a forged store whose
+            # cumulative bucket counts pass 2**64).
+            body = _native.render(_OM_HEADERS if openmetrics else _TEXT_HEADERS, _PLAN, words_of, buckets_of,
+                                  [lines.small for lines in lines_of], _OM_EOF_BYTES if openmetrics else b"")
+            if body is not None:
+                return cast(bytes, body)
         fmt, exact = _format_bytes, _EXACT_FLOAT_LIMIT
         parts: list[bytes] = []
         append = parts.append

@@ -173,12 +173,13 @@ def test_both_paths_reap_only_what_the_scan_judged(tmp_dir: Path, make_writer, m
         live.path.unlink()
 
 
-def test_the_c_scanner_is_used_unless_the_python_path_is_forced() -> None:
-    code = "import store.scan as s; print(s.scan is s.scan_python)"
+def test_the_c_speedups_are_used_unless_the_python_path_is_forced() -> None:
+    code = ("import store.scan as s, app.exposition as x; "
+            "print(s.scan is s.scan_python, x._native is None)")
     outputs = []
     for forced in ("", "1"):
         env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": forced}
         done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True,
                               text=True, timeout=60, check=True)
         outputs.append(done.stdout.strip())
-    assert outputs == ["False", "True"]
+    assert outputs == ["False False", "True True"]

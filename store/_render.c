@@ -1,0 +1,316 @@
+/* store._render: fill a scrape's exposition templates with the stores' words,
+ * with the GIL released.
+ *
+ * app/exposition.py's Renderer keeps, per store and metric family, one
+ * %-template of that store's sample lines ("name{labels} %d\n" ..., a label
+ * value's own '%' doubled); its Python loop fills them with the store's
+ * values.  render() here does the same fill for every family and store in
+ * one call: it gathers pointers to the templates and words while holding the
+ * GIL (no allocation per store), writes the whole body without it, and hands
+ * back one bytes object.  The Python loop stays the reference (and is used
+ * where this is not built); the tests compare both byte for byte.
+ *
+ * Numbers are spelt as the C++ plug-in (prometheus-cpp) spells them: bucket
+ * and count values as integers; counters, gauges and histogram sums are u64s
+ * converted to double, which is the integer itself up to 2**53 and "%.16g"
+ * beyond.  A cumulative bucket count past 2**64 (a forged store) makes
+ * render() return None: the Python loop, with unbounded integers, renders it.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define STORE_WORDS (6800 / 8)
+#define MAX_LINE_VALUES 64      /* a family's values per store: at most 33 buckets + count + sum */
+#define MAX_NUMBER 32           /* the longest number written: 20 digits, or 16 and an exponent */
+#define EXACT_LIMIT (1ULL << 53)
+
+enum { KIND_VALUES = 0, KIND_HISTOGRAM = 1 };
+
+typedef struct {
+    int kind;
+    Py_ssize_t nwords;
+    Py_ssize_t words[MAX_LINE_VALUES];  /* VALUES: one word per line; HISTOGRAM: first bucket, sum */
+    const char *header;
+    Py_ssize_t header_len;
+} Family;
+
+static char *write_u64(char *out, uint64_t v) {
+    char digits[20];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    while (n)
+        *out++ = digits[--n];
+    return out;
+}
+
+/* A counter's, gauge's or sum's u64 as prometheus-cpp writes the double it
+ * becomes: printf's "%.16g".  Not printf itself: its decimal point follows
+ * the host's locale.  Beyond 2**53 the double is an integer D of 16 to 20
+ * digits, a multiple of 2 (of 2048 at 20 digits), so the digits past the 16th
+ * are never exactly half-way: rounding to 16 significant digits is rounding
+ * half up on the 17th digit.  Then written as %g writes an exponent of 16 or
+ * more, "d.ddd...e+XX" without trailing zeros. */
+static char *write_as_double(char *out, uint64_t v) {
+    if (v <= EXACT_LIMIT)
+        return write_u64(out, v);
+    double d = (double)v;
+    char digits[24];
+    int n = 0;
+    if (d >= 18446744073709551616.0) {  /* rounded up to 2**64, which no u64 holds */
+        memcpy(digits, "18446744073709551616", 20);
+        n = 20;
+    } else {
+        n = (int)(write_u64(digits, (uint64_t)d) - digits);
+    }
+    if (n <= 16)
+        return (char *)memcpy(out, digits, (size_t)n) + n;
+    int exponent = n - 1;
+    if (digits[16] >= '5') {
+        int i = 15;
+        while (i >= 0 && digits[i] == '9')
+            digits[i--] = '0';
+        if (i < 0) {  /* 9999999999999999x -> 1000000000000000, one more digit */
+            digits[0] = '1';
+            exponent++;
+        } else {
+            digits[i]++;
+        }
+    }
+    int last = 15;
+    while (last > 0 && digits[last] == '0')
+        last--;
+    *out++ = digits[0];
+    if (last > 0) {
+        *out++ = '.';
+        memcpy(out, digits + 1, (size_t)last);
+        out += last;
+    }
+    *out++ = 'e';
+    *out++ = '+';
+    *out++ = (char)('0' + exponent / 10);
+    *out++ = (char)('0' + exponent % 10);
+    return out;
+}
+
+/* Copy one template, replacing its n-th placeholder ("%d" or "%s") with the
+ * n-th value and "%%" with "%".  Returns the end, or NULL if the template does
+ * not have exactly `count` placeholders. */
+static char *fill(char *out, const char *tmpl, Py_ssize_t len, const uint64_t *values, const char *as_double,
+                  int count) {
+    const char *p = tmpl, *end = tmpl + len;
+    int used = 0;
+    while (p < end) {
+        const char *pct = memchr(p, '%', (size_t)(end - p));
+        if (pct == NULL || pct + 1 >= end) {
+            memcpy(out, p, (size_t)(end - p));
+            out += end - p;
+            break;
+        }
+        memcpy(out, p, (size_t)(pct - p));
+        out += pct - p;
+        if (pct[1] == '%') {
+            *out++ = '%';
+        } else {
+            if (used == count)
+                return NULL;
+            out = as_double[used] ? write_as_double(out, values[used]) : write_u64(out, values[used]);
+            used++;
+        }
+        p = pct + 2;
+    }
+    return used == count ? out : NULL;
+}
+
+typedef struct {
+    Py_ssize_t nstores, nfamilies;
+    Family *families;
+    Py_buffer *words;     /* per store */
+    Py_ssize_t *buckets;  /* per store: bucket words per histogram (bounds + 1) */
+    const char **tmpl;    /* [store * nfamilies + family] */
+    Py_ssize_t *tmpl_len;
+    const char *tail;
+    Py_ssize_t tail_len;
+} Job;
+
+/* Write the body into out (sized by the caller); the length, or -1 if a
+ * template did not match its values or a cumulative count overflowed. */
+static Py_ssize_t run(const Job *job, char *out) {
+    char *start = out;
+    uint64_t values[MAX_LINE_VALUES];
+    char as_double[MAX_LINE_VALUES];
+    for (Py_ssize_t f = 0; f < job->nfamilies; f++) {
+        const Family *fam = &job->families[f];
+        memcpy(out, fam->header, (size_t)fam->header_len);
+        out += fam->header_len;
+        for (Py_ssize_t s = 0; s < job->nstores; s++) {
+            const uint64_t *w = job->words[s].buf;
+            int count;
+            if (fam->kind == KIND_HISTOGRAM) {
+                Py_ssize_t nb = job->buckets[s], first = fam->words[0];
+                uint64_t total = 0;
+                for (Py_ssize_t b = 0; b < nb; b++) {
+                    if (__builtin_add_overflow(total, w[first + b], &total))
+                        return -1;
+                    values[b] = total;
+                    as_double[b] = 0;
+                }
+                values[nb] = total;  /* _count */
+                as_double[nb] = 0;
+                values[nb + 1] = w[fam->words[1]];  /* _sum */
+                as_double[nb + 1] = 1;
+                count = (int)nb + 2;
+            } else {
+                for (Py_ssize_t j = 0; j < fam->nwords; j++) {
+                    values[j] = w[fam->words[j]];
+                    as_double[j] = 1;
+                }
+                count = (int)fam->nwords;
+            }
+            Py_ssize_t at = s * job->nfamilies + f;
+            out = fill(out, job->tmpl[at], job->tmpl_len[at], values, as_double, count);
+            if (out == NULL)
+                return -1;
+        }
+    }
+    memcpy(out, job->tail, (size_t)job->tail_len);
+    out += job->tail_len;
+    return out - start;
+}
+
+static int parse_families(PyObject *headers, PyObject *plan, Job *job) {
+    job->nfamilies = PyTuple_GET_SIZE(plan);
+    if (!PyTuple_Check(headers) || PyTuple_GET_SIZE(headers) != job->nfamilies) {
+        PyErr_SetString(PyExc_ValueError, "render: headers and plan differ in length");
+        return -1;
+    }
+    job->families = PyMem_Calloc((size_t)job->nfamilies, sizeof(Family));
+    if (job->families == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t f = 0; f < job->nfamilies; f++) {
+        Family *fam = &job->families[f];
+        PyObject *header = PyTuple_GET_ITEM(headers, f), *entry = PyTuple_GET_ITEM(plan, f), *words;
+        if (!PyBytes_Check(header) || !PyArg_ParseTuple(entry, "iO!", &fam->kind, &PyTuple_Type, &words))
+            goto bad;
+        fam->header = PyBytes_AS_STRING(header);
+        fam->header_len = PyBytes_GET_SIZE(header);
+        fam->nwords = PyTuple_GET_SIZE(words);
+        if (fam->nwords > MAX_LINE_VALUES || (fam->kind == KIND_HISTOGRAM && fam->nwords != 2)
+            || (fam->kind != KIND_HISTOGRAM && fam->kind != KIND_VALUES))
+            goto bad;
+        for (Py_ssize_t j = 0; j < fam->nwords; j++) {
+            fam->words[j] = PyLong_AsSsize_t(PyTuple_GET_ITEM(words, j));
+            if (fam->words[j] < 0 || fam->words[j] >= STORE_WORDS)
+                goto bad;
+        }
+    }
+    return 0;
+bad:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "render: a malformed family plan");
+    return -1;
+}
+
+static PyObject *render(PyObject *module, PyObject *args) {
+    PyObject *headers, *plan, *words_of, *buckets_of, *smalls_of, *tail;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!:render", &PyTuple_Type, &headers, &PyTuple_Type, &plan,
+                          &PyList_Type, &words_of, &PyList_Type, &buckets_of, &PyList_Type, &smalls_of,
+                          &PyBytes_Type, &tail))
+        return NULL;
+    Job job = {0};
+    job.nstores = PyList_GET_SIZE(words_of);
+    if (PyList_GET_SIZE(buckets_of) != job.nstores || PyList_GET_SIZE(smalls_of) != job.nstores) {
+        PyErr_SetString(PyExc_ValueError, "render: words, buckets and templates differ in length");
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t acquired = 0;
+    if (parse_families(headers, plan, &job) != 0)
+        goto done;
+    job.tail = PyBytes_AS_STRING(tail);
+    job.tail_len = PyBytes_GET_SIZE(tail);
+    job.words = PyMem_Calloc((size_t)job.nstores + 1, sizeof(Py_buffer));
+    job.buckets = PyMem_Calloc((size_t)job.nstores + 1, sizeof(Py_ssize_t));
+    job.tmpl = PyMem_Calloc((size_t)(job.nstores * job.nfamilies) + 1, sizeof(char *));
+    job.tmpl_len = PyMem_Calloc((size_t)(job.nstores * job.nfamilies) + 1, sizeof(Py_ssize_t));
+    if (!job.words || !job.buckets || !job.tmpl || !job.tmpl_len) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The bound: every template byte, plus MAX_NUMBER per value it takes. */
+    Py_ssize_t bound = job.tail_len;
+    for (Py_ssize_t f = 0; f < job.nfamilies; f++)
+        bound += job.families[f].header_len;
+    for (Py_ssize_t s = 0; s < job.nstores; s++) {
+        /* The buffer export also keeps the words array from being resized meanwhile. */
+        if (PyObject_GetBuffer(PyList_GET_ITEM(words_of, s), &job.words[s], PyBUF_SIMPLE) != 0)
+            goto done;
+        acquired++;
+        job.buckets[s] = PyLong_AsSsize_t(PyList_GET_ITEM(buckets_of, s));
+        PyObject *smalls = PyList_GET_ITEM(smalls_of, s);
+        if (job.words[s].len < STORE_WORDS * 8 || job.buckets[s] < 1 || job.buckets[s] > MAX_LINE_VALUES - 2
+            || !PyTuple_Check(smalls) || PyTuple_GET_SIZE(smalls) != job.nfamilies) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "render: a malformed store");
+            goto done;
+        }
+        for (Py_ssize_t f = 0; f < job.nfamilies; f++) {
+            PyObject *t = PyTuple_GET_ITEM(smalls, f);
+            const Family *fam = &job.families[f];
+            if (!PyBytes_Check(t)) {
+                PyErr_SetString(PyExc_TypeError, "render: a template is not bytes");
+                goto done;
+            }
+            Py_ssize_t first = fam->words[0];
+            if (fam->kind == KIND_HISTOGRAM && first + job.buckets[s] > STORE_WORDS) {
+                PyErr_SetString(PyExc_ValueError, "render: a histogram runs past the store");
+                goto done;
+            }
+            job.tmpl[s * job.nfamilies + f] = PyBytes_AS_STRING(t);
+            job.tmpl_len[s * job.nfamilies + f] = PyBytes_GET_SIZE(t);
+            bound += PyBytes_GET_SIZE(t)
+                + MAX_NUMBER * (fam->kind == KIND_HISTOGRAM ? job.buckets[s] + 2 : fam->nwords);
+        }
+    }
+    char *out = PyMem_RawMalloc((size_t)bound + 1);
+    if (out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t len;
+    Py_BEGIN_ALLOW_THREADS
+    len = run(&job, out);
+    Py_END_ALLOW_THREADS
+    result = len < 0 ? Py_NewRef(Py_None) : PyBytes_FromStringAndSize(out, len);
+    PyMem_RawFree(out);
+done:
+    for (Py_ssize_t s = 0; s < acquired; s++)
+        PyBuffer_Release(&job.words[s]);
+    PyMem_Free(job.families);
+    PyMem_Free(job.words);
+    PyMem_Free(job.buckets);
+    PyMem_Free(job.tmpl);
+    PyMem_Free(job.tmpl_len);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"render", render, METH_VARARGS,
+     "render(headers, plan, words_of, buckets_of, smalls_of, tail) -> bytes, or None to let the Python loop "
+     "do it; see app/exposition.py"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "store._render", NULL, -1, methods, NULL, NULL, NULL,
+                                    NULL};
+
+PyMODINIT_FUNC PyInit__render(void) { return PyModule_Create(&module); }

@@ -1,0 +1,93 @@
+"""The exposition's C fill (store/_render.c) against the Renderer's Python loop, byte for byte.
+
+Stores are forged with every spelling a number can take (small, around 2**53,
+up to 2**64 - 1, 16-digit roundings that carry), labels that need
+escaping or hold a '%', no local_rank, no bucket at all, in both formats.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from pathlib import Path
+
+import pytest
+from support_forge import cpp_u64_as_double, store_bytes
+
+import app.exposition as X
+from store import layout as L
+from store.reader import Snapshot, decode
+
+c_module = pytest.importorskip("store._render", reason="the C renderer is not built here")
+c_render = c_module.render
+
+_EDGES = [0, 1, 999_999, 1_000_000, 2**53 - 1, 2**53, 2**53 + 1, 2**53 + 2, 10**16, 10**16 + 2, 2**63,
+          2**64 - 2048, 2**64 - 1025, 2**64 - 1024, 2**64 - 1, 99_999_999_999_999_999, 9_999_999_999_999_999_999,
+          12_345_678_901_234_567_168]
+
+
+def forged(rng: random.Random, i: int, bucket_max: int = 2**48) -> Snapshot:
+    bounds = () if i % 7 == 0 else tuple(float(b) * 2.5 for b in range(1, rng.randint(2, L.MAX_BUCKETS + 1)))
+    slots = L.SLOT_COUNT
+
+    def value() -> int:
+        r = rng.random()
+        return rng.choice(_EDGES) if r < 0.3 else rng.randint(0, 2**64 - 1) if r < 0.5 else rng.randint(0, 10**6)
+
+    name = 'odd %d %s %% "quoted" back\\slash\nnewline' if i % 5 == 0 else f"rank-{i}"
+    data = store_bytes(1000 + i, i, name, "host-%", "" if i % 3 == 0 else str(i % 8), bounds,
+                       [value() for _ in range(slots)], [value() for _ in range(slots)],
+                       [rng.randint(0, bucket_max) for _ in range(slots * L.BUCKET_SLOTS)],
+                       [value() for _ in range(slots)])
+    snap = decode(data, Path(f"/nowhere/nixl.{1000 + i}.1.{i}.mmap"))
+    assert isinstance(snap, Snapshot)
+    return snap
+
+
+def render_with(native: object, snaps: list[Snapshot], openmetrics: bool, monkeypatch) -> bytes:
+    """The Renderer with the C fill (``c_module``) or without it (None), whatever the environment chose."""
+    with monkeypatch.context() as m:
+        m.setattr(X, "_native", native)
+        return X.Renderer().render(snaps, openmetrics)
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_c_and_python_render_the_same_bytes(openmetrics: bool, monkeypatch) -> None:
+    rng = random.Random(12)
+    snaps = [forged(rng, i) for i in range(40)]
+    rendered = render_with(c_module, snaps, openmetrics, monkeypatch)
+    assert rendered == render_with(None, snaps, openmetrics, monkeypatch)
+    assert b'agent_name="odd %d %s %% \\"quoted\\" back\\\\slash\\nnewline"' in rendered
+
+
+def test_every_u64_is_spelt_as_prometheus_cpp_spells_its_double() -> None:
+    rng = random.Random(3)
+    values = _EDGES + [rng.randint(2**53, 2**64 - 1) for _ in range(2000)]
+    for value in values:
+        words = array("Q", bytes(L.STORE_SIZE))
+        words[0] = value
+        out = c_render((b"",), ((0, (0,)),), [words], [1], [(b"v %d\n",)], b"")
+        assert out == f"v {cpp_u64_as_double(value)}\n".encode(), value
+
+
+def test_a_cumulative_count_past_2_64_is_left_to_the_python_loop(monkeypatch) -> None:
+    rng = random.Random(5)
+    snaps = [forged(rng, i, bucket_max=2**64 - 1) for i in range(1, 4)]
+    words_of = [s.words for s in snaps]
+    smalls = [X._RankLines(s).small for s in snaps]
+    assert c_render(X._TEXT_HEADERS, X._PLAN, words_of, [len(s.bounds) + 1 for s in snaps], smalls, b"") is None
+    rendered = render_with(c_module, snaps, False, monkeypatch)
+    assert rendered == render_with(None, snaps, False, monkeypatch)
+    assert any(int(line.rsplit(b" ", 1)[1]) >= 2**64 for line in rendered.splitlines() if b"_bucket{" in line)
+
+
+def test_malformed_arguments_raise_instead_of_reading_past_a_store() -> None:
+    words = array("Q", bytes(L.STORE_SIZE))
+    with pytest.raises(ValueError):
+        c_render((b"",), ((1, (L.STORE_WORDS - 2, 0)),), [words], [4], [(b"%d %d %d %d %d %d\n",)], b"")
+    with pytest.raises(ValueError):
+        c_render((b"",), ((0, (L.STORE_WORDS,)),), [words], [1], [(b"%d\n",)], b"")
+    with pytest.raises(ValueError):
+        c_render((b"",), ((0, (0,)),), [array("Q", [1, 2])], [1], [(b"%d\n",)], b"")
+    # A template with more placeholders than values is a bug: the loop (which raises) is left to say so.
+    assert c_render((b"",), ((0, (0,)),), [words], [1], [(b"%d %d\n",)], b"") is None
