@@ -159,7 +159,7 @@ def _busy_section(results: Results) -> list[str]:
         return []
     rows = []
     for count, e in sorted(results.busy.items()):
-        for path, label in (("c", "C scanner"), ("python", "pure Python")):
+        for path, label in (("c", "C scan + render"), ("python", "pure Python")):
             if f"idle_{path}" not in e:
                 continue
             idle, busy = median(e[f"idle_{path}"]), median(e[f"busy_{path}"])
@@ -169,7 +169,7 @@ def _busy_section(results: Results) -> list[str]:
     return ["**Busy owner**: the in-process owner scraped (as Prometheus scrapes) while one thread of its rank "
             "calls record_transfer flat out, vs the same owner idle (alternating); the stall is the recording "
             "loop's longest gap between two iterations during a scrape (median, and the worst of the run)", "",
-            table(["ranks", "collector", "idle ms", "busy ms", "busy / idle", "recording stall ms",
+            table(["ranks", "speedups", "idle ms", "busy ms", "busy / idle", "recording stall ms",
                    "worst stall ms"], rows), ""]
 
 

@@ -317,14 +317,14 @@ def busy(settings: Settings, results: Results) -> None:
     """Our in-process owner's scrape while one thread of its rank records flat out, vs the same owner idle.
 
     Idle and busy scrapes alternate; for each busy one, the owner reports the longest gap its recording
-    loop saw during the scrape (the GIL taken away from the rank).  Where the C scanner is built, a second
+    loop saw during the scrape (the GIL taken away from the rank).  Where the C speedups are built, a second
     owner forced onto the pure-Python path (NIXL_PROMETHEUS_MP_PURE_PYTHON=1) runs beside it, each over
     its own directory of the same size, their scrapes interleaved.
     """
     paths = {"c": {}, "python": {PURE_PYTHON_ENV: "1"}} if native.load("_scan") is not None else \
         {"python": {PURE_PYTHON_ENV: "1"}}
     for count in (c for c in settings.busy_ranks if not settings.ranks or c <= max(settings.ranks)):
-        log(f"busy owner {count} ranks ({' and '.join(paths)} scanner)")
+        log(f"busy owner {count} ranks ({' and '.join(paths)} speedups)")
         with contextlib.ExitStack() as stack:
             owners = []
             for path, extra in paths.items():
