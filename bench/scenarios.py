@@ -206,12 +206,13 @@ def _memory(count: int, ours_files: list[str], ref_files: list[str], srv_ours: W
 
 # -- d. -----------------------------------------------------------------------------------------------------
 
-def _wait_serving(port: int, deadline_s: float) -> float | None:
-    """Poll GET /metrics until it answers 200; seconds waited, or None past the deadline."""
+def _wait_serving(port: int, deadline_s: float, timeout_s: float = 0.25) -> float | None:
+    """Poll GET /metrics until it answers 200 (each GET given ``timeout_s``); seconds waited, or None past the
+    deadline."""
     start = time.perf_counter()
     while True:
         try:
-            status, _ = http_get(port, timeout=0.25)
+            status, _ = http_get(port, timeout=timeout_s)
             if status == 200:
                 return time.perf_counter() - start
         except OSError:
@@ -293,7 +294,7 @@ def plugin(settings: Settings, results: Results) -> None:
 
 
 def _plugin_one(settings: Settings, count: int, ours_port: int, cpp_port: int) -> dict[str, Any]:
-    if _wait_serving(cpp_port, 10) is None:
+    if _wait_serving(cpp_port, 30, timeout_s=10) is None:  # a scrape of 1024 ranks takes a while
         raise RuntimeError("the C++ plug-in never served its port")
     entry: dict[str, Any] = {"prom_ours": [], "prom_cpp": [], "plain_ours": [], "plain_cpp": []}
     for side, port in (("ours", ours_port), ("cpp", cpp_port)):
