@@ -93,10 +93,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# What Prometheus sends when it scrapes (2.x and 3.x defaults without the UTF-8 escaping options).
+# What Prometheus 3.x sends when it scrapes (scrape_protocols at their defaults).
 PROMETHEUS_HEADERS: Mapping[str, str] = {
-    "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "Accept": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+              "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,"
+              "text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
     "Accept-Encoding": "gzip",
 }
 
