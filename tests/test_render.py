@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 from support_forge import cpp_u64_as_double, store_bytes
+from support_native import c_speedup
 
 import app.exposition as X
 from store import layout as L
 from store.reader import Snapshot, decode
 
-c_module = pytest.importorskip("store._render", reason="the C renderer is not built here")
+c_module = c_speedup("_render")
 c_render = c_module.render
 
 _EDGES = [0, 1, 999_999, 1_000_000, 2**53 - 1, 2**53, 2**53 + 1, 2**53 + 2, 10**16, 10**16 + 2, 2**63,

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT_ROOT
 from support import hold_flock, reaper_fixture  # noqa: F401  (pytest fixture)
+from support_native import c_speedup
 
 import app.collector
 from app.collector import Collection, Collector
@@ -28,7 +29,7 @@ from store import EventType, StoreWriter
 from store import scan as S
 from store.layout import STORE_SIZE
 
-c_scan = pytest.importorskip("store._scan", reason="the C scanner is not built here").scan
+c_scan = c_speedup("_scan").scan
 FOREIGN_UID = 12345
 
 
