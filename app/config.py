@@ -6,10 +6,12 @@ the directory wrong must fail loudly at startup, not run without telemetry.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import logging
 import math
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +33,9 @@ EXPORTER_ENV = "NIXL_TELEMETRY_EXPORTER"
 DEFAULT_PORT = 9090
 DEFAULT_TTL_S = 30.0
 DEFAULT_RANK_ENV = "LOCAL_RANK"
+# The TTL is compared in int64 nanoseconds (as in the C++ plug-in): larger
+# values cannot be represented, and nothing needs a TTL of centuries.
+MAX_TTL_S = (2**63 - 1) // 1_000_000_000
 EXPORTER_NAME = "prometheus_mp"
 # NIXL's own boolean words (configTraits<bool>), matched the way it matches them: whole value, any case, no
 # trimming. An empty or padded value is refused, as the C++ plug-in refuses it, so one environment never makes
@@ -59,10 +64,12 @@ def parse_flag(name: str, text: str | None) -> bool:
 def _port(text: str | None) -> int:
     if text is None or not text.strip():
         return DEFAULT_PORT
-    try:
-        port = int(text)
-    except ValueError:
-        raise ConfigError(f"{PORT_ENV}={text!r} is not an integer port number") from None
+    digits = text.strip()
+    # int() would also take "1_9111" and non-ASCII digits such as "١٩١١١":
+    # a port number is written in ASCII digits everywhere else.
+    if not (digits.isascii() and digits.isdigit()):
+        raise ConfigError(f"{PORT_ENV}={text!r} is not a port number (ASCII digits, 1..65535)")
+    port = int(digits)
     if not 1 <= port <= 65535:
         raise ConfigError(f"{PORT_ENV}={text!r} is outside 1..65535")
     return port
@@ -77,7 +84,29 @@ def _ttl(text: str | None) -> float:
         raise ConfigError(f"{TTL_ENV}={text!r} is not a number of seconds") from None
     if not math.isfinite(ttl) or ttl < 0:
         raise ConfigError(f"{TTL_ENV}={text!r} must be a finite number of seconds >= 0")
+    if ttl > MAX_TTL_S:
+        raise ConfigError(f"{TTL_ENV}={text!r} is too large: at most {MAX_TTL_S} seconds (about 292 years)")
     return ttl
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _rank_env_name(name: str) -> str:
+    """An environment variable's name, or empty (no local_rank label)."""
+    if name and not _ENV_NAME.fullmatch(name):
+        raise ConfigError(f"{RANK_ENV_ENV}={name!r} is not an environment variable name (letters, digits and _, "
+                          "not starting with a digit; for example LOCAL_RANK)")
+    return name
+
+
+def _directory(text: str) -> Path:
+    # Every rank must name the same directory: a relative path depends on
+    # each process's working directory, so ranks would silently split.
+    if not os.path.isabs(text):
+        raise ConfigError(f"{DIR_ENV}={text!r} is a relative path: use an absolute path, the same for every rank "
+                          "(for example /run/nixl_metrics)")
+    return Path(text)
 
 
 def _enabled(text: str | None) -> frozenset[EventType]:
@@ -131,10 +160,10 @@ class Config:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return cls(
-            directory=Path(directory),
+            directory=_directory(directory),
             port=_port(env.get(PORT_ENV)),
             local=parse_flag(LOCAL_ENV, env.get(LOCAL_ENV)),
-            rank_env=rank_env,
+            rank_env=_rank_env_name(rank_env),
             local_rank=env.get(rank_env, "") if rank_env else "",
             stale_ttl_s=_ttl(env.get(TTL_ENV)),
             buckets=buckets,
@@ -155,7 +184,28 @@ def prepare_directory(directory: Path) -> list[str]:
         pass
     except OSError as exc:
         raise ConfigError(f"{DIR_ENV}={str(directory)!r} cannot be created: {os.strerror(exc.errno or 0)}") from None
-    return directory_warnings(directory)
+    problems = directory_warnings(directory)
+    # Checked up front so that a directory this user cannot write is one
+    # named error, not a PermissionError from deep inside store creation.
+    if not os.access(directory, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise unwritable_directory(directory, errno.EACCES)
+    return problems
+
+
+def unwritable_directory(directory: Path, error: int) -> ConfigError:
+    """The ConfigError for a directory this process may not create files in (EACCES, EPERM, EROFS)."""
+    try:
+        st = os.stat(directory)
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return ConfigError(f"{DIR_ENV}={str(directory)!r} is not writable: {os.strerror(error)}")
+    if read_only or error == errno.EROFS:
+        reason = "it is on a read-only file system"
+    else:
+        reason = (f"{os.strerror(error).lower()} for uid {os.geteuid()} (the directory is owned by uid "
+                  f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
+    return ConfigError(f"{DIR_ENV}={str(directory)!r} is not writable: {reason}; use a directory the run's user "
+                       "can write")
 
 
 def directory_warnings(directory: Path) -> list[str]:

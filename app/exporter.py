@@ -8,6 +8,7 @@ death costs a gap, not the rest of the run.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ from app.config import (
     directory_warnings,
     parse_flag,
     prepare_directory,
+    unwritable_directory,
 )
 from app.endpoint import BACKOFF_NS, CLOSE_WAIT_S, NEVER, ScrapeEndpoint
 from app.recording import Recording
@@ -45,6 +47,17 @@ _instances = itertools.count()  # agent_instance: 0, 1, ... per process
 _instances_lock = threading.Lock()
 # How often an event checks that the store file is still on disk (the writers' re-election pace).
 REVALIDATE_NS = 200_000_000
+
+
+def _check_agent_name(agent_name: object) -> None:
+    """NIXL refuses an empty agent name; the store's field is NUL-terminated."""
+    if not isinstance(agent_name, str):
+        raise TypeError(f"agent_name must be a str, got {type(agent_name).__name__} {agent_name!r}")
+    if not agent_name:
+        raise ValueError("agent_name must not be empty")
+    if "\0" in agent_name:
+        raise ValueError(f"agent_name {agent_name!r} contains a NUL character, which the store's "
+                         "NUL-terminated name field cannot hold")
 
 
 def _next_instance() -> int:
@@ -157,6 +170,7 @@ class Exporter(Recording):
     """
 
     def __init__(self, agent_name: str, environ: Mapping[str, str] | None = None) -> None:
+        _check_agent_name(agent_name)  # before an agent_instance number is consumed or a file created
         config = Config.from_env(environ)
         for problem in prepare_directory(config.directory):
             log.warning("%s", problem)
@@ -164,7 +178,14 @@ class Exporter(Recording):
         self.agent_name = agent_name
         identity = StoreIdentity(agent_name, socket.gethostname(), config.local_rank, _next_instance(),
                                  config.buckets)
-        self._writer = StoreWriter(config.directory, identity, config.enabled)
+        try:
+            self._writer = StoreWriter(config.directory, identity, config.enabled)
+        except OSError as exc:
+            # The up-front check cannot see everything (an ACL, an LSM, a
+            # mode changed since): refusal by the kernel is still named.
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise unwritable_directory(config.directory, exc.errno) from None
+            raise
         self._bind_recording(self._writer)
         self._closed = False
         self._reclaim_failed = False
@@ -317,6 +338,12 @@ def create_exporter(agent_name: str, environ: Mapping[str, str] | None = None) -
     if not parse_flag(ENABLE_ENV, env.get(ENABLE_ENV)):
         return NullExporter(agent_name)
     selected = env.get(EXPORTER_ENV, "").strip()
+    if selected.lower() == EXPORTER_NAME and selected != EXPORTER_NAME:
+        # NIXL loads the plug-in file named after the value, case-sensitively,
+        # and refuses to create the agent when there is none: a misspelt
+        # selection is an error there, so it must not be silence here.
+        raise ConfigError(f"{EXPORTER_ENV}={selected!r} names no exporter: exporter names are case-sensitive, "
+                          f"write {EXPORTER_NAME!r}")
     if selected != EXPORTER_NAME:
         log.info("%s=%r selects another exporter; this one records nothing", EXPORTER_ENV, selected)
         return NullExporter(agent_name)
