@@ -7,22 +7,28 @@ people running this are operators reading a terminal or a pod log.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
+import math
 import os
 import random
+import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from app.collector import Collector
-from app.config import DIR_ENV, LOCAL_ENV, PORT_ENV, TTL_ENV, ConfigError
+from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, ConfigError, prepare_directory
 from store import EventType
 from store.layout import STORE_PREFIX, STORE_SUFFIX
 from store.reader import Snapshot, Unreadable, open_store, probe_alive, read_fd
@@ -32,23 +38,68 @@ PROG = "nixl-prometheus-mp"
 
 
 class CliError(Exception):
-    """A user-facing failure: printed as one line, exit status 2."""
+    """A user-facing runtime failure: printed as one line, exit status 1.
+
+    Bad arguments (argparse) and bad settings (ConfigError) exit with 2.
+    """
+
+
+class StopSignals:
+    """SIGTERM and SIGINT as a flag plus a byte on a self-pipe, for the main thread.
+
+    The handler does nothing else.  It runs between two bytecodes of the
+    main thread, which may be inside threading.Event.wait() holding the lock
+    Event.set() needs: a handler calling set() hangs the process forever,
+    one stop in ten or twenty.  os.write on a non-blocking pipe takes no lock.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._read, self._write = os.pipe()
+        for fd in (self._read, self._write):
+            os.set_blocking(fd, False)  # a full pipe already holds a pending wake-up
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if a stop signal arrives; True once one has."""
+        if not self.signum:
+            # After a signal, select is resumed (PEP 475) and sees the byte.
+            select.select([self._read], [], [], max(0.0, timeout))
+        return bool(self.signum)
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        os.close(self._read)
+        os.close(self._write)
 
 
 # -- demo -------------------------------------------------------------------
 
-def _demo_rank(args: argparse.Namespace) -> int:
-    """One demo rank: NIXL-like transfers until SIGTERM or the duration ends."""
-    from app import Exporter
+RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
+DEMO_PORT = 9111  # not 9090, which a Prometheus on the same host listens on by default
+OWNER_WAIT_S = 20.0  # for the first demo rank to serve: imports on a loaded host take seconds
+RANK_STOP_S = 10.0  # for the ranks to close their stores after SIGTERM, before SIGKILL
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+def _demo_rank(args: argparse.Namespace) -> int:
+    """One demo rank: NIXL-like transfers until SIGTERM/SIGINT or the duration ends."""
+    from app import Exporter
+    from app.standalone import _die_with
+
+    stop = StopSignals()
+    if args.parent_pid:
+        _die_with(args.parent_pid)  # a demo killed with SIGKILL cannot forward SIGTERM to its ranks
     rng = random.Random(os.getpid())
     deadline = time.monotonic() + args.duration if args.duration else None
     with Exporter(args.name) as exp:
         exp.record_memory_registered(1 << 30)  # a 1 GiB registered buffer, as a KV cache would be
-        while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
+        while not stop.signum and (deadline is None or time.monotonic() < deadline):
             nbytes = 1 << rng.randint(12, 26)  # 4 KiB .. 64 MiB
             post_us = rng.randint(3, 60)
             xfer_us = int(post_us + nbytes / 20_000 * rng.uniform(0.8, 1.6))  # ~20 GB/s with jitter
@@ -60,57 +111,153 @@ def _demo_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(directory: Path, port: int, started: float) -> str:
-    coll = Collector(directory, stale_ttl_s=1e9).collect()  # a huge TTL: the demo never reaps
-    snaps = coll.published
-    tx = sum(s.counters[EventType.AGENT_TX_BYTES] + s.counters[EventType.AGENT_RX_BYTES] for s in snaps)
-    reqs = sum(s.counters[EventType.AGENT_TX_REQUESTS_NUM] + s.counters[EventType.AGENT_RX_REQUESTS_NUM]
-               for s in snaps)
-    errors = sum(s.counters[ev] for s in snaps for ev in EventType if ev.name.startswith("AGENT_ERR_"))
-    elapsed = max(time.monotonic() - started, 1e-9)
-    return (f"ranks live {len(coll.live)} departed {len(coll.stale)} | transfers {reqs} | "
-            f"{tx / 1e9:.1f} GB moved ({tx / elapsed / 1e9:.2f} GB/s) | errors {errors} | "
-            f"http://127.0.0.1:{port}/metrics")
+class _Totals:
+    """The demo's progress line, from the last values seen in every store.
+
+    The owner reaps a departed rank's store after the TTL; summing only the
+    stores on disk would make the totals drop, which reads as a counter
+    reset.  A store's counters only grow, so remembering each store's last
+    values keeps the totals monotonic.
+    """
+
+    def __init__(self, directory: Path, port: int, started: float) -> None:
+        self.directory, self.port, self.started = directory, port, started  # started: when the ranks were
+        self.collector = Collector(directory, stale_ttl_s=MAX_TTL_S)  # the demo itself never reaps
+        self.seen: dict[str, tuple[int, int, int]] = {}  # store name -> (bytes, requests, errors)
+
+    def line(self) -> str:
+        coll = self.collector.collect()
+        for s in coll.published:
+            c = s.counters
+            self.seen[s.path.name] = (
+                c[EventType.AGENT_TX_BYTES] + c[EventType.AGENT_RX_BYTES],
+                c[EventType.AGENT_TX_REQUESTS_NUM] + c[EventType.AGENT_RX_REQUESTS_NUM],
+                sum(c[ev] for ev in EventType if ev.name.startswith("AGENT_ERR_")))
+        moved, reqs, errors = (sum(column) for column in zip(*self.seen.values(), strict=True)) if self.seen \
+            else (0, 0, 0)
+        live = len(coll.live)
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return (f"ranks live {live} departed {len(self.seen) - live} | transfers {reqs} | "
+                f"{moved / 1e9:.1f} GB moved ({moved / elapsed / 1e9:.2f} GB/s) | errors {errors} | "
+                f"http://127.0.0.1:{self.port}/metrics")
+
+
+def _port_holders(port: int) -> str:
+    """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st ... inode
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
+    return ", ".join(holders) or "a process this user cannot see"
+
+
+def _check_port_free(port: int) -> None:
+    """Refuse, naming the holder, a port another program already listens on."""
+    from app.endpoint import bind_listener
+
+    try:
+        bind_listener("127.0.0.1", port).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise CliError(f"port {port} on 127.0.0.1 is already in use by {_port_holders(port)}: stop it or "
+                           "choose another port with --port") from None
+        raise CliError(f"cannot listen on 127.0.0.1:{port}: {os.strerror(exc.errno or 0)}") from None
+
+
+def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSignals) -> int | None:
+    """The pid of the demo rank that serves ``port`` (None if stopped first); CliError if none does."""
+    pids = {p.pid for p in procs}
+    deadline = time.monotonic() + OWNER_WAIT_S
+    while not stop.wait(0.1):
+        if all(p.poll() is not None for p in procs):
+            raise CliError(f"every demo rank exited before serving (exit status {procs[0].returncode})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+                owner = json.loads(response.read()).get("owner") or {}
+        except urllib.error.HTTPError as exc:  # /healthz answers 503 with the same document when unhealthy
+            with contextlib.suppress(ValueError):
+                owner = json.loads(exc.read()).get("owner") or {}
+        except (OSError, ValueError):
+            owner = {}
+        if owner.get("pid") in pids:
+            return int(owner["pid"])
+        if time.monotonic() > deadline:
+            raise CliError(f"no demo rank serves 127.0.0.1:{port} after {OWNER_WAIT_S:.0f} s; the port is held by "
+                           f"{_port_holders(port)}")
+    return None
+
+
+def _stop_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every rank, SIGKILL those still running after RANK_STOP_S; always reaps."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + RANK_STOP_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if args.ranks < 1:
-        raise CliError(f"--ranks {args.ranks}: at least one rank is needed")
-    directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
-    env = dict(os.environ)
-    env.update({DIR_ENV: str(directory), PORT_ENV: str(args.port), LOCAL_ENV: "y", TTL_ENV: "10"})
+    _check_port_free(args.port)
+    env = {**os.environ, PORT_ENV: str(args.port), LOCAL_ENV: "y"}
+    env.setdefault(TTL_ENV, "10")  # departed demo ranks leave /metrics 10 s after they stop, unless told otherwise
+    chosen = Path(args.dir).absolute() if args.dir else None  # the ranks need an absolute path
+    # The ranks' settings, refused once here rather than once per rank, and
+    # before any directory is created (the temporary one has no name yet).
+    Config.from_env({**env, DIR_ENV: str(chosen or tempfile.gettempdir())})
+    if chosen:
+        prepare_directory(chosen)
+    directory = chosen or Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
+    env[DIR_ENV] = str(directory)
     procs: list[subprocess.Popen[bytes]] = []
+    stop = StopSignals()
     interactive = sys.stdout.isatty()
+    started = time.monotonic()
     try:
         for rank in range(args.ranks):
+            if stop.signum:
+                break
             env["LOCAL_RANK"] = str(rank)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "app", "_rank", "--name", f"demo-agent-{rank}", "--rate", str(args.rate),
-                 "--duration", str(args.duration or 0)], env=env))
-        print(f"{args.ranks} ranks recording into {directory}; one of them serves "
+                [sys.executable, "-m", "app", RANK_COMMAND, "--name", f"demo-agent-{rank}", "--rate", str(args.rate),
+                 "--duration", str(args.duration), "--parent-pid", str(os.getpid())], env=env))
+        owner = _serving_rank(args.port, procs, stop)
+        if owner is None:
+            return 0
+        print(f"{args.ranks} ranks recording into {directory}; rank pid {owner} serves "
               f"http://127.0.0.1:{args.port}/metrics and /healthz (Ctrl-C to stop)", flush=True)
-        started = time.monotonic()
+        totals = _Totals(directory, args.port, started)
         while any(p.poll() is None for p in procs):
-            line = _summary(directory, args.port, started)
+            line = totals.line()
             print(f"\r{line}  " if interactive else line, end="" if interactive else "\n", flush=True)
-            time.sleep(1.0)
+            if stop.wait(1.0):
+                print("\nstopping the ranks" if interactive else "stopping the ranks", flush=True)
+                return 0
+        print(("\n" if interactive else "") + totals.line(), flush=True)
         failed = [p.returncode for p in procs if p.returncode]
-        print(("\n" if interactive else "") + _summary(directory, args.port, started), flush=True)
         if failed:
             raise CliError(f"{len(failed)} demo rank(s) failed (exit status {failed[0]})")
-    except KeyboardInterrupt:
-        print("\nstopping the ranks", flush=True)
+        return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    return 0
+        _stop_ranks(procs)
+        stop.close()
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)  # only the directory this demo created
 
 
 # -- serve ------------------------------------------------------------------
@@ -121,8 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = prepare_standalone()
     hold_election(config)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignals()
     try:
         try:
             sock = bind_listener(config.host, config.port)
@@ -130,14 +276,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise CliError(f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}") from None
         server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
         log.info("serving %s on http://%s/metrics", config.directory, config.address)
-        try:
-            while not stop.wait(0.5) and thread.is_alive():
-                pass
-        except KeyboardInterrupt:
+        while not stop.wait(0.5) and thread.is_alive():
             pass
         server.shutdown()
         thread.join(timeout=5)
     finally:
+        stop.close()
         release_election()
     return 0
 
@@ -178,6 +322,12 @@ def _inspect_rows(directory: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _print_table(table: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     rows = _inspect_rows(Path(args.directory))
     if args.json:
@@ -187,21 +337,46 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                "requests", "errors")
     table: list[tuple[str, ...]] = [
         ("AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)", "TX BYTES", "RX BYTES", "REQUESTS", "ERRORS")]
+    invalid: list[tuple[str, ...]] = [("INVALID STORE", "PROBLEM")]
     for row in rows:
-        if "problem" in row:
-            table.append((row["store"], "-", "-", "-", "invalid", "-", "-", "-", "-", row["problem"]))
+        if "problem" in row:  # not a store's columns: listed apart, by file name
+            invalid.append((row["store"], row["problem"]))
             continue
         row = {**row, "state": "alive" if row["alive"] else "departed"}
         table.append(tuple("-" if row[c] is None else str(row[c]) for c in columns))
-    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
-    for r in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    _print_table(table)
+    if len(invalid) > 1:
+        print()
+        _print_table(invalid)
     if not rows:
         print(f"(no stores in {args.directory})")
     return 0
 
 
 # -- entry point ------------------------------------------------------------
+
+def _bounded(kind: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], Any]:
+    """An argparse ``type``: refuses, naming the value, anything but ``what``."""
+    def parse(text: str) -> Any:
+        digits = text.strip()
+        # int() would also take "1_000" and non-ASCII digits: only ASCII decimals are integers here.
+        if kind is int and not (digits.isascii() and digits.isdigit()):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        try:
+            value = kind(digits)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+_RANKS = _bounded(int, "a number of ranks >= 1", lambda v: v >= 1)
+_PORT = _bounded(int, "a port number 1..65535", lambda v: 1 <= v <= 65535)
+_RATE = _bounded(float, "a finite number of transfers per second > 0", lambda v: math.isfinite(v) and v > 0)
+_DURATION = _bounded(float, "a finite number of seconds >= 0", lambda v: math.isfinite(v) and v >= 0)
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line too (the usage is in --help)."""
@@ -214,11 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="NIXL multi-process Prometheus telemetry exporter")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run N rank processes recording NIXL-like transfers behind one endpoint")
-    demo.add_argument("--ranks", type=int, default=4, help="rank processes to start (default 4)")
-    demo.add_argument("--port", type=int, default=9090, help="scrape port, bound on 127.0.0.1 (default 9090)")
-    demo.add_argument("--duration", type=float, default=0, help="seconds to run (default: until Ctrl-C)")
-    demo.add_argument("--rate", type=float, default=200, help="transfers per second per rank (default 200)")
-    demo.add_argument("--dir", help="shared directory (default: a new private temporary directory)")
+    demo.add_argument("--ranks", type=_RANKS, default=4, help="rank processes to start (default 4)")
+    demo.add_argument("--port", type=_PORT, default=DEMO_PORT,
+                      help=f"scrape port, bound on 127.0.0.1 (default {DEMO_PORT})")
+    demo.add_argument("--duration", type=_DURATION, default=0, help="seconds to run (default 0: until Ctrl-C)")
+    demo.add_argument("--rate", type=_RATE, default=200, help="transfers per second per rank (default 200)")
+    demo.add_argument("--dir", help="shared directory (default: a new private temporary directory, removed on exit)")
     demo.set_defaults(func=cmd_demo)
     serve = sub.add_parser("serve", help=f"the standalone aggregator on werkzeug (configured by {DIR_ENV} etc.)")
     serve.set_defaults(func=cmd_serve)
@@ -226,19 +402,32 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("directory")
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.set_defaults(func=cmd_inspect)
-    rank = sub.add_parser("_rank")  # a demo rank process (internal)
-    rank.add_argument("--name", required=True)
-    rank.add_argument("--rate", type=float, default=200)
-    rank.add_argument("--duration", type=float, default=0)
-    rank.set_defaults(func=_demo_rank)
     return parser
+
+
+def build_rank_parser() -> argparse.ArgumentParser:
+    """``_rank``: one demo rank; parsed apart so that --help and usage errors never list it."""
+    rank = _Parser(prog=f"{PROG} {RANK_COMMAND}")
+    rank.add_argument("--name", required=True)
+    rank.add_argument("--rate", type=_RATE, default=200)
+    rank.add_argument("--duration", type=_DURATION, default=0)
+    rank.add_argument("--parent-pid", type=int, default=0)  # the demo's: die with it
+    rank.set_defaults(func=_demo_rank)
+    return rank
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == [RANK_COMMAND]:
+        args = build_rank_parser().parse_args(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (CliError, ConfigError) as exc:
+    except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except CliError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1

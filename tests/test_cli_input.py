@@ -1,0 +1,271 @@
+"""Bad input to the command line: one line on stderr, exit status 2 (usage) or 1 (runtime), no traceback.
+
+Everything runs the real command, ``python -m app`` and the installed
+``nixl-prometheus-mp`` console script, in subprocesses with bounded waits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support import listening_socket
+from support_e2e import REPO, VENV_BIN, free_port, http_get, rank_env, reaper, wait_until
+
+from store import EventType, StoreIdentity, StoreWriter
+
+COMMANDS = {"module": [sys.executable, "-m", "app"], "script": [str(VENV_BIN / "nixl-prometheus-mp")]}
+NOBODY = 65534
+
+
+@pytest.fixture(params=sorted(COMMANDS))
+def cli(request: pytest.FixtureRequest) -> list[str]:
+    return COMMANDS[request.param]
+
+
+def run(command: list[str], *args: str, env: dict[str, str] | None = None, timeout: float = 60,
+        cwd: Path = REPO, **popen: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, **popen)  # type: ignore[call-overload]
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], status: int, *words: str) -> str:
+    assert done.returncode == status, (done.returncode, done.stderr, done.stdout)
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("nixl-prometheus-mp") and "error:" in lines[0], lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def demo_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a demo whose temporary directory lands in tmp_path/tmp."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = rank_env(tmp_path / "unused", 1, TMPDIR=str(tmp_path / "tmp"), **extra)
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"], env["NIXL_TELEMETRY_PROMETHEUS_PORT"]
+    return env
+
+
+# -- argument validation ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--rate", "0"), ("--rate", "-5"), ("--rate", "inf"), ("--rate", "nan"), ("--rate", "fast"),
+    ("--duration", "-1"), ("--duration", "inf"), ("--duration", "nan"),
+    ("--port", "0"), ("--port", "70000"), ("--port", "1_9111"), ("--port", "١٩١١١"),
+    ("--ranks", "0"), ("--ranks", "-2"), ("--ranks", "three"),
+])
+def test_demo_refuses_a_bad_argument_before_starting_anything(cli: list[str], tmp_path: Path, option: str,
+                                                              value: str) -> None:
+    done = run(cli, "demo", option, value, "--duration", "1", env=demo_env(tmp_path)) if option != "--duration" \
+        else run(cli, "demo", option, value, env=demo_env(tmp_path))
+    one_line_error(done, 2, option, repr(value))
+    assert done.stdout == ""  # no URL advertised
+    assert os.listdir(tmp_path / "tmp") == []  # no temporary directory
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("NIXL_TELEMETRY_MP_STALE_TTL", "1e300"),
+    ("NIXL_TELEMETRY_RANK_ENV", "A=B"),
+])
+def test_demo_refuses_a_bad_setting_once_not_once_per_rank(cli: list[str], tmp_path: Path, name: str,
+                                                          value: str) -> None:
+    done = run(cli, "demo", "--port", str(free_port()), "--duration", "1", env=demo_env(tmp_path, **{name: value}))
+    one_line_error(done, 2, name, repr(value))
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("NIXL_TELEMETRY_MP_STALE_TTL", "1e300"),
+    ("NIXL_TELEMETRY_PROMETHEUS_PORT", "١٩١١١"),
+    ("NIXL_TELEMETRY_MULTIPROC_DIR", "relative/mp"),
+])
+def test_serve_refuses_a_bad_setting_before_creating_the_directory(cli: list[str], tmp_path: Path, name: str,
+                                                                  value: str) -> None:
+    env = rank_env(tmp_path / "mp", free_port(), **{name: value})
+    done = run(cli, "serve", env=env, cwd=tmp_path)
+    one_line_error(done, 2, name, repr(value))
+    assert os.listdir(tmp_path) == []
+
+
+def test_help_hides_the_internal_rank_command(cli: list[str]) -> None:
+    done = run(cli, "--help")
+    assert done.returncode == 0, done.stderr
+    assert "_rank" not in done.stdout and "demo" in done.stdout, done.stdout
+    assert "_rank" not in one_line_error(run(cli, "frobnicate"), 2, "frobnicate")
+
+
+def test_the_internal_rank_command_still_validates(cli: list[str], tmp_path: Path) -> None:
+    one_line_error(run(cli, "_rank", "--name", "a", "--rate", "0", env=rank_env(tmp_path / "mp", free_port())),
+                   2, "--rate", "'0'")
+    assert not (tmp_path / "mp").exists()
+
+
+# -- the port -------------------------------------------------------------------------------------------------
+
+def test_demo_default_port_is_not_prometheus_9090(cli: list[str]) -> None:
+    done = run(cli, "demo", "--help")
+    assert re.search(r"--port PORT\s+scrape port, bound on 127.0.0.1 \(default 9111\)", done.stdout), done.stdout
+
+
+def test_demo_refuses_a_port_another_program_holds_and_names_it(cli: list[str], tmp_path: Path) -> None:
+    port = free_port()
+    sock = listening_socket(port)
+    try:
+        done = run(cli, "demo", "--port", str(port), "--duration", "2", env=demo_env(tmp_path))
+    finally:
+        sock.close()
+    line = one_line_error(done, 1, f"port {port}", "already in use", f"pid {os.getpid()}", "--port")
+    assert "http://" not in done.stdout + line  # never advertised
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+# -- the directory --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def root_owned_dir() -> Iterator[Path]:
+    """A root-owned 0755 directory that uid 65534 can reach (pytest's tmp_path is 0700) but not write."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a directory another uid cannot write")
+    top = Path(tempfile.mkdtemp(prefix="nixl-cli-"))
+    try:
+        top.chmod(0o755)
+        (top / "mp").mkdir()
+        (top / "mp").chmod(0o755)
+        yield top / "mp"
+    finally:
+        shutil.rmtree(top)
+
+
+def run_module_as_nobody(*args: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m app ARGS`` as uid/gid 65534: a forked child drops privileges, then runs the module.
+
+    (Neither the interpreter nor its standard library can be read as 65534
+    where they live under root's 0700 home, so the child imports what it
+    needs first and then runs the module as ``-m`` would.)
+    """
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        status = 70
+        try:
+            with open(out, "w") as o, open(err, "w") as e:
+                os.dup2(o.fileno(), 1)
+                os.dup2(e.fileno(), 2)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # not pytest's capture
+            for module in ("app.cli", "app.endpoint", "app.exporter", "app.standalone"):
+                importlib.import_module(module)  # while the interpreter's own files are still readable
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = ["nixl-prometheus-mp", *args]
+            runpy.run_module("app", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("python -m app as uid 65534 did not finish within 60 s")
+        time.sleep(0.05)
+    return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(done[1]), out.read_text(), err.read_text())
+
+
+def test_demo_on_a_directory_it_cannot_write_is_one_line(root_owned_dir: Path, tmp_path: Path) -> None:
+    done = run_module_as_nobody("demo", "--dir", str(root_owned_dir), "--port", str(free_port()), "--duration", "1",
+                                env=demo_env(tmp_path), tmp_path=tmp_path)
+    one_line_error(done, 2, "NIXL_TELEMETRY_MULTIPROC_DIR", str(root_owned_dir), "not writable", "uid 65534")
+    assert os.listdir(root_owned_dir) == []
+
+
+def test_demo_removes_only_the_directory_it_created(cli: list[str], tmp_path: Path) -> None:
+    env = demo_env(tmp_path)
+    done = run(cli, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "ranks recording into" in done.stdout and os.listdir(tmp_path / "tmp") == [], done.stdout
+
+    given = tmp_path / "given"
+    done = run(cli, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50",
+               "--dir", str(given), env=env)
+    assert done.returncode == 0, done.stderr
+    assert len(list(given.glob("nixl.*.mmap"))) == 2  # a --dir is the user's: kept, with the stores
+
+
+def test_demo_with_a_relative_dir_gives_the_ranks_an_absolute_one(cli: list[str], tmp_path: Path) -> None:
+    done = run(cli, "demo", "--ranks", "1", "--port", str(free_port()), "--duration", "1", "--dir", "rel",
+               env=demo_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"recording into {tmp_path / 'rel'};" in done.stdout, done.stdout
+    assert len(list((tmp_path / "rel").glob("nixl.*.mmap"))) == 1
+
+
+# -- progress line --------------------------------------------------------------------------------------------
+
+def test_demo_totals_never_go_back_when_a_departed_store_is_reaped(tmp_path: Path) -> None:
+    """A departed rank's store is reaped after the TTL; the demo's totals must not drop by its values."""
+    directory, port = tmp_path / "mp", free_port()
+    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="1")
+    with reaper() as r:
+        demo = r.start([*COMMANDS["module"], "demo", "--ranks", "1", "--rate", "2", "--port", str(port),
+                        "--dir", str(directory)], env)
+        demo.wait_line(lambda line: "ranks recording into" in line, 30)
+        departed = StoreWriter(directory, StoreIdentity("departed", "host", "9", 0, (10.0,)))
+        departed.record(EventType.AGENT_TX_BYTES, 10**15)
+        departed.record(EventType.AGENT_TX_REQUESTS_NUM, 10**6)
+        departed.close()
+        demo.wait_line(lambda line: "departed 1" in line and "transfers 1000" in line, 15)
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics", timeout=2) and not departed.path.exists(),
+                   15, "the owner rank to reap the departed store")
+        seen = len(demo.lines)
+        wait_until(lambda: len([x for x in demo.lines[seen:] if x.startswith("ranks live")]) >= 2, 15,
+                   "two progress lines after the reaping")
+        demo.killpg(signal.SIGINT)
+        assert demo.popen.wait(timeout=20) == 0, demo.output
+    progress = [line for line in demo.output.splitlines() if line.startswith("ranks live")]
+    transfers = [int(line.split("transfers ")[1].split()[0]) for line in progress]
+    moved = [float(line.split(" GB moved")[0].rsplit(" ", 1)[1]) for line in progress]
+    assert transfers == sorted(transfers) and moved == sorted(moved), progress
+    assert transfers[-1] >= 10**6 and moved[-1] >= 1e6, progress  # the reaped store still counts
+    assert "departed 1" in progress[-1], progress
+
+
+# -- inspect --------------------------------------------------------------------------------------------------
+
+def test_inspect_lists_invalid_stores_apart_by_file_name(cli: list[str], tmp_dir: Path) -> None:
+    good = StoreWriter(tmp_dir, StoreIdentity("agent-ok", "host", "0", 0, (10.0,)))
+    try:
+        bad = tmp_dir / "nixl.1.2.3.mmap"
+        bad.write_bytes(b"not a store")
+        done = run(cli, "inspect", str(tmp_dir))
+    finally:
+        good.close()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    agents = [line.split()[0] for line in lines[1:lines.index("")]]
+    assert agents == ["agent-ok"], lines  # the table lists agents only
+    invalid = lines[lines.index("") + 1:]
+    assert invalid[0].split() == ["INVALID", "STORE", "PROBLEM"], invalid
+    name, problem = invalid[1].split(None, 1)
+    assert name == bad.name and problem.strip(), invalid
