@@ -213,6 +213,14 @@ def _stop_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    stop = StopSignals()  # first: a stop during start-up must still reap the ranks and remove the directory
+    try:
+        return _run_demo(args, stop)
+    finally:
+        stop.close()
+
+
+def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
     _check_port_free(args.port)
     env = {**os.environ, PORT_ENV: str(args.port), LOCAL_ENV: "y"}
     env.setdefault(TTL_ENV, "10")  # departed demo ranks leave /metrics 10 s after they stop, unless told otherwise
@@ -225,13 +233,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     directory = chosen or Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
     env[DIR_ENV] = str(directory)
     procs: list[subprocess.Popen[bytes]] = []
-    stop = StopSignals()
     interactive = sys.stdout.isatty()
     started = time.monotonic()
     try:
         for rank in range(args.ranks):
             if stop.signum:
-                break
+                return 0
             env["LOCAL_RANK"] = str(rank)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "app", RANK_COMMAND, "--name", f"demo-agent-{rank}", "--rate", str(args.rate),
@@ -255,7 +262,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0
     finally:
         _stop_ranks(procs)
-        stop.close()
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)  # only the directory this demo created
 
@@ -431,3 +437,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling (serve's wait for the address)
+        return 128 + signal.SIGINT
