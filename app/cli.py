@@ -48,9 +48,10 @@ class StopSignals:
     """SIGTERM and SIGINT as a flag plus a byte on a self-pipe, for the main thread.
 
     The handler does nothing else.  It runs between two bytecodes of the
-    main thread, which may be inside threading.Event.wait() holding the lock
-    Event.set() needs: a handler calling set() hangs the process forever,
-    one stop in ten or twenty.  os.write on a non-blocking pipe takes no lock.
+    main thread, which may be inside threading.Event.wait(), or inside an
+    earlier run of the handler, holding the lock Event.set() needs: a
+    handler calling set() hung about one stop in five under repeated
+    signals.  os.write on a non-blocking pipe takes no lock.
     """
 
     def __init__(self) -> None:
@@ -121,7 +122,8 @@ class _Totals:
     """
 
     def __init__(self, directory: Path, port: int, started: float) -> None:
-        self.directory, self.port, self.started = directory, port, started  # started: when the ranks were
+        self.directory, self.port = directory, port
+        self.started = started  # when the ranks were started: the GB/s average is over their run
         self.collector = Collector(directory, stale_ttl_s=MAX_TTL_S)  # the demo itself never reaps
         self.seen: dict[str, tuple[int, int, int]] = {}  # store name -> (bytes, requests, errors)
 
@@ -155,7 +157,7 @@ def _port_holders(port: int) -> str:
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
     holders = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
         with contextlib.suppress(OSError):
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
                 holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
@@ -175,6 +177,22 @@ def _check_port_free(port: int) -> None:
         raise CliError(f"cannot listen on 127.0.0.1:{port}: {os.strerror(exc.errno or 0)}") from None
 
 
+def _healthz_owner_pid(port: int) -> int | None:
+    """The owner pid /healthz on 127.0.0.1:``port`` reports, if anything there answers like this project."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            body = response.read()
+    except urllib.error.HTTPError as exc:  # an unhealthy run answers 503 with the same document
+        body = exc.read()
+    except OSError:
+        return None
+    try:
+        pid = json.loads(body)["owner"]["pid"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return pid if isinstance(pid, int) else None
+
+
 def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSignals) -> int | None:
     """The pid of the demo rank that serves ``port`` (None if stopped first); CliError if none does."""
     pids = {p.pid for p in procs}
@@ -182,16 +200,9 @@ def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSig
     while not stop.wait(0.1):
         if all(p.poll() is not None for p in procs):
             raise CliError(f"every demo rank exited before serving (exit status {procs[0].returncode})")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-                owner = json.loads(response.read()).get("owner") or {}
-        except urllib.error.HTTPError as exc:  # /healthz answers 503 with the same document when unhealthy
-            with contextlib.suppress(ValueError):
-                owner = json.loads(exc.read()).get("owner") or {}
-        except (OSError, ValueError):
-            owner = {}
-        if owner.get("pid") in pids:
-            return int(owner["pid"])
+        owner = _healthz_owner_pid(port)
+        if owner in pids:
+            return owner
         if time.monotonic() > deadline:
             raise CliError(f"no demo rank serves 127.0.0.1:{port} after {OWNER_WAIT_S:.0f} s; the port is held by "
                            f"{_port_holders(port)}")
