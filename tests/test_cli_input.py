@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from support import listening_socket
-from support_e2e import REPO, VENV_BIN, free_port, http_get, rank_env, reaper, wait_until
+from support_e2e import REPO, VENV_BIN, free_port, http_get, procfile_web_command, rank_env, reaper, wait_until
 
 from store import EventType, StoreIdentity, StoreWriter
 
@@ -269,3 +269,20 @@ def test_inspect_lists_invalid_stores_apart_by_file_name(cli: list[str], tmp_dir
     assert invalid[0].split() == ["INVALID", "STORE", "PROBLEM"], invalid
     name, problem = invalid[1].split(None, 1)
     assert name == bad.name and problem.strip(), invalid
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("NIXL_TELEMETRY_MP_STALE_TTL", "1e300"),  # was an 85-line traceback and "Worker failed to boot"
+    ("NIXL_TELEMETRY_RANK_ENV", "A=B"),
+    ("NIXL_TELEMETRY_MULTIPROC_DIR", "relative/mp"),
+])
+def test_gunicorn_refuses_a_bad_setting_in_one_line(tmp_path: Path, name: str, value: str) -> None:
+    env = rank_env(tmp_path / "mp", free_port(), **{name: value})
+    with reaper() as r:
+        proc = r.start(procfile_web_command(), env, cwd=REPO)
+        assert proc.popen.wait(timeout=30) != 0
+    assert "Traceback" not in proc.output, proc.output
+    lines = proc.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nixl-prometheus-mp: error: "), lines
+    assert name in lines[0] and repr(value) in lines[0], lines
+    assert os.listdir(tmp_path) == []
