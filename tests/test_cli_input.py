@@ -193,9 +193,15 @@ def run_module_as_nobody(*args: str, env: dict[str, str], tmp_path: Path) -> sub
     return subprocess.CompletedProcess(args, os.waitstatus_to_exitcode(done[1]), out.read_text(), err.read_text())
 
 
-def test_demo_on_a_directory_it_cannot_write_is_one_line(root_owned_dir: Path, tmp_path: Path) -> None:
-    done = run_module_as_nobody("demo", "--dir", str(root_owned_dir), "--port", str(free_port()), "--duration", "1",
-                                env=demo_env(tmp_path), tmp_path=tmp_path)
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_a_directory_this_user_cannot_write_is_one_line(root_owned_dir: Path, tmp_path: Path, command: str) -> None:
+    """Was a bare PermissionError naming only the path (four tracebacks from the demo's ranks)."""
+    port = str(free_port())
+    if command == "demo":
+        done = run_module_as_nobody("demo", "--dir", str(root_owned_dir), "--port", port, "--duration", "1",
+                                    env=demo_env(tmp_path), tmp_path=tmp_path)
+    else:
+        done = run_module_as_nobody("serve", env=rank_env(root_owned_dir, int(port)), tmp_path=tmp_path)
     one_line_error(done, 2, "NIXL_TELEMETRY_MULTIPROC_DIR", str(root_owned_dir), "not writable", "uid 65534")
     assert os.listdir(root_owned_dir) == []
 
