@@ -93,10 +93,16 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _rank_env_name(name: str) -> str:
-    """An environment variable's name, or empty (no local_rank label)."""
+    """The variable naming the local rank; warned about when no process could ever set it.
+
+    Not refused: the C++ plug-in looks such a name up (finding nothing) and
+    starts without a local_rank label, and one environment must mean the
+    same for C++ and Python ranks.  Empty means no label, on purpose.
+    """
     if name and not _ENV_NAME.fullmatch(name):
-        raise ConfigError(f"{RANK_ENV_ENV}={name!r} is not an environment variable name (letters, digits and _, "
-                          "not starting with a digit; for example LOCAL_RANK)")
+        log.warning("%s=%r is not an environment variable name (letters, digits and _, not starting with a digit), "
+                    "so no process can set it and this rank exports no local_rank label; set it to the name of the "
+                    "variable holding the local rank, for example LOCAL_RANK", RANK_ENV_ENV, name)
     return name
 
 

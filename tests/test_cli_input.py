@@ -79,7 +79,7 @@ def test_demo_refuses_a_bad_argument_before_starting_anything(cli: list[str], tm
 
 @pytest.mark.parametrize(("name", "value"), [
     ("NIXL_TELEMETRY_MP_STALE_TTL", "1e300"),
-    ("NIXL_TELEMETRY_RANK_ENV", "A=B"),
+    ("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", "100,10"),
 ])
 def test_demo_refuses_a_bad_setting_once_not_once_per_rank(cli: list[str], tmp_path: Path, name: str,
                                                           value: str) -> None:
@@ -282,7 +282,7 @@ def test_inspect_lists_invalid_stores_apart_by_file_name(cli: list[str], tmp_dir
 
 @pytest.mark.parametrize(("name", "value"), [
     ("NIXL_TELEMETRY_MP_STALE_TTL", "1e300"),  # was an 85-line traceback and "Worker failed to boot"
-    ("NIXL_TELEMETRY_RANK_ENV", "A=B"),
+    ("NIXL_TELEMETRY_PROMETHEUS_PORT", "1_9111"),
     ("NIXL_TELEMETRY_MULTIPROC_DIR", "relative/mp"),
 ])
 def test_gunicorn_refuses_a_bad_setting_in_one_line(tmp_path: Path, name: str, value: str) -> None:
