@@ -6,8 +6,8 @@ the directory wrong must fail loudly at startup, not run without telemetry.
 
 from __future__ import annotations
 
+import ctypes
 import errno
-import fnmatch
 import logging
 import math
 import os
@@ -42,6 +42,16 @@ EXPORTER_NAME = "prometheus_mp"
 # C++ ranks fail while Python ranks start.
 _TRUE = frozenset({"y", "yes", "on", "1", "true", "enable"})
 _FALSE = frozenset({"n", "no", "off", "0", "false", "disable"})
+
+
+# The plug-in matches NIXL_TELEMETRY_ENABLED_METRICS with the C library's fnmatch(3) (flags 0: backslash escapes,
+# [!...] and [^...] negate, [[:alpha:]] classes, a trailing backslash or an unclosed [ never matches), which
+# Python's fnmatch does not reproduce; calling the same function makes every entry mean the same in both.
+_fnmatch = ctypes.CDLL(None).fnmatch
+_fnmatch.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int)
+_fnmatch.restype = ctypes.c_int
+# What the plug-in trims from each entry (absl::StripAsciiWhitespace); str.strip() would also trim Unicode spaces.
+_ASCII_SPACE = " \t\n\v\f\r"
 
 
 class ConfigError(ValueError):
@@ -116,18 +126,22 @@ def _directory(text: str) -> Path:
 
 
 def _enabled(text: str | None) -> frozenset[EventType]:
-    """Globs over event names, matched with or without the AGENT_ prefix, any case."""
-    if text is None or not text.strip():
+    """NIXL's allowlist, read exactly as the C++ plug-in reads it, so one value records the same events in C++
+    and Python ranks: comma-separated, each entry trimmed of ASCII whitespace, empty entries dropped (nothing
+    left, as for unset, means every event), each entry a glob matched case-sensitively against the lower-case
+    event names (``agent_tx_*``)."""
+    patterns = dict.fromkeys(p.strip(_ASCII_SPACE) for p in (text or "").split(","))
+    patterns.pop("", None)
+    if not patterns:
         return frozenset(EventType)
     enabled: set[EventType] = set()
-    for pattern in (p.strip().upper() for p in text.split(",")):
-        if not pattern:
-            continue
-        matched = {e for e in EventType if fnmatch.fnmatchcase(e.name, pattern)
-                   or fnmatch.fnmatchcase(e.name.removeprefix("AGENT_"), pattern)}
+    for pattern in patterns:
+        matched = {e for e in EventType if _fnmatch(os.fsencode(pattern), e.name.lower().encode(), 0) == 0}
         if not matched:
-            log.warning("%s: the pattern %r matches no event type, so it enables nothing; valid names are %s",
-                        ENABLED_ENV, pattern, ", ".join(e.name for e in EventType))
+            log.warning("%s: the entry %r matches no event name, so it enables nothing (and when no entry matches, "
+                        "this rank records nothing); match NIXL's lower-case event names, with the agent_ prefix (for "
+                        "example agent_tx_*), case-sensitively: %s",
+                        ENABLED_ENV, pattern, ", ".join(e.name.lower() for e in EventType))
         enabled |= matched
     return frozenset(enabled)
 

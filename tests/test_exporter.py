@@ -182,7 +182,7 @@ def test_largest_value_is_accepted(tmp_dir: Path, make_exporter) -> None:
 
 def test_enabled_metrics_glob_records_only_matching_events(tmp_dir: Path, make_exporter, caplog) -> None:
     with caplog.at_level(logging.WARNING):
-        exp = make_exporter("a", exporter_env(tmp_dir, free_port(), NIXL_TELEMETRY_ENABLED_METRICS="xfer_*"))
+        exp = make_exporter("a", exporter_env(tmp_dir, free_port(), NIXL_TELEMETRY_ENABLED_METRICS="agent_xfer_*"))
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     exp.export_event(E.AGENT_XFER_TIME, 70)
     exp.export_event(E.AGENT_XFER_POST_TIME, 5)
@@ -197,25 +197,37 @@ def test_enabled_metrics_glob_records_only_matching_events(tmp_dir: Path, make_e
     assert snap.counters[E.AGENT_ERR_BACKEND] == 0
 
 
-def test_enabled_metrics_accepts_prefix_and_any_case(tmp_dir: Path, make_exporter) -> None:
-    exp = make_exporter("a", exporter_env(tmp_dir, free_port(),
-                                          NIXL_TELEMETRY_ENABLED_METRICS="Tx_Bytes, AGENT_ERR_*"))
+def test_enabled_metrics_entries_are_trimmed_and_case_sensitive(tmp_dir: Path, make_exporter, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        exp = make_exporter("a", exporter_env(tmp_dir, free_port(),
+                                              NIXL_TELEMETRY_ENABLED_METRICS=" agent_tx_bytes ,, AGENT_ERR_*,tx_*"))
     exp.export_event(E.AGENT_TX_BYTES, 1)
-    exp.export_event(E.AGENT_RX_BYTES, 1)
+    exp.export_event(E.AGENT_TX_REQUESTS_NUM, 1)
     exp.record_error("canceled")
     snap = snapshot(exp)
-    assert snap.counters[E.AGENT_TX_BYTES] == 1 and snap.counters[E.AGENT_RX_BYTES] == 0
-    assert snap.counters[E.AGENT_ERR_CANCELED] == 1
+    assert snap.counters[E.AGENT_TX_BYTES] == 1
+    assert snap.counters[E.AGENT_TX_REQUESTS_NUM] == 0 and snap.counters[E.AGENT_ERR_CANCELED] == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and "'AGENT_ERR_*'" in warned[0] and "'tx_*'" in warned[1], warned
 
 
 def test_enabled_metrics_glob_matching_nothing_warns(tmp_dir: Path, make_exporter, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         exp = make_exporter("a", exporter_env(tmp_dir, free_port(),
-                                              NIXL_TELEMETRY_ENABLED_METRICS="tx_bytes,no_such_*"))
+                                              NIXL_TELEMETRY_ENABLED_METRICS="agent_tx_bytes,no_such_*"))
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("NIXL_TELEMETRY_ENABLED_METRICS" in m and "NO_SUCH_*" in m for m in messages), messages
+    assert any("NIXL_TELEMETRY_ENABLED_METRICS" in m and "'no_such_*'" in m and "agent_err_canceled" in m
+               for m in messages), messages
     exp.export_event(E.AGENT_TX_BYTES, 2)
     assert snapshot(exp).counters[E.AGENT_TX_BYTES] == 2
+
+
+def test_enabled_metrics_matching_nothing_records_nothing(tmp_dir: Path, make_exporter) -> None:
+    exp = make_exporter("a", exporter_env(tmp_dir, free_port(), NIXL_TELEMETRY_ENABLED_METRICS="AGENT_TX_*"))
+    for event in E:
+        exp.export_event(event, 1)
+    snap = snapshot(exp)
+    assert not any(snap.counters) and not any(snap.gauges)
 
 
 def test_record_helpers_feed_the_right_series(tmp_dir: Path, make_exporter) -> None:

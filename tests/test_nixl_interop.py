@@ -413,6 +413,79 @@ def test_same_environment_same_choice_not_to_record(cpp_probe: CppEnvProbe, tmp_
     assert ours == theirs == (True, (set(), set()))
 
 
+ENABLED = "NIXL_TELEMETRY_ENABLED_METRICS"
+E = EventType
+# What a C++ rank's transfer makes its plug-in record (examples/cpp_agents.py): the events both sides are compared on.
+TRANSFER_EVENTS = frozenset({E.AGENT_TX_BYTES, E.AGENT_TX_REQUESTS_NUM, E.AGENT_XFER_TIME, E.AGENT_XFER_POST_TIME,
+                             E.AGENT_MEMORY_REGISTERED})
+# (id, NIXL_TELEMETRY_ENABLED_METRICS or None for unset, the transfer events both record). The plug-in splits on
+# commas, trims ASCII whitespace, drops empty entries (none left: everything), and matches each entry with C's
+# fnmatch, case-sensitively, against the lower-case event names.
+ENABLED_CASES: list[tuple[str, str | None, frozenset[EventType]]] = [
+    ("unset", None, TRANSFER_EVENTS),
+    ("empty", "", TRANSFER_EVENTS),
+    ("only-blank-entries", " , ,\t", TRANSFER_EVENTS),
+    ("star", "*", TRANSFER_EVENTS),
+    ("prefix-glob", "agent_tx_*", frozenset({E.AGENT_TX_BYTES, E.AGENT_TX_REQUESTS_NUM})),
+    ("padded", " agent_tx_bytes\t", frozenset({E.AGENT_TX_BYTES})),
+    ("empty-entry", "agent_tx_bytes,,agent_xfer_time", frozenset({E.AGENT_TX_BYTES, E.AGENT_XFER_TIME})),
+    ("question-mark", "agent_?x_*", frozenset({E.AGENT_TX_BYTES, E.AGENT_TX_REQUESTS_NUM})),
+    ("bang-class", "agent_[!r]x_bytes", frozenset({E.AGENT_TX_BYTES})),
+    ("caret-class", "agent_[^r]x_bytes", frozenset({E.AGENT_TX_BYTES})),
+    ("posix-class", "agent_[[:alpha:]]x_bytes", frozenset({E.AGENT_TX_BYTES})),
+    ("escaped", "agent\\_tx_bytes", frozenset({E.AGENT_TX_BYTES})),
+    ("one-entry-unmatched", "agent_xfer_*,nope", frozenset({E.AGENT_XFER_TIME, E.AGENT_XFER_POST_TIME})),
+    ("without-prefix", "xfer_*,tx_bytes", frozenset()),
+    ("upper-case", "AGENT_TX_*", frozenset()),
+    ("series-name", "agent_tx_bytes_total", frozenset()),
+    ("trailing-backslash", "agent_tx_bytes\\", frozenset()),
+    ("unclosed-bracket", "agent_[tx_bytes", frozenset()),
+    ("non-ascii-space", "\u00a0agent_tx_bytes", frozenset()),
+]
+# A disabled event is dropped before it is staged, and the plug-in writes what is staged every 100 ms: when
+# nothing may appear, this long (ten intervals) shows that nothing does.
+NOTHING_SETTLE_S = 1.0
+
+
+def recorded_events(directory: Path) -> set[EventType]:
+    """The events with a non-zero counter or gauge in any store in ``directory``."""
+    snaps = [read_snapshot(directory / n) for n in os.listdir(directory) if n.endswith(".mmap")]
+    return {e for s in snaps for e in EventType if s.counters[e] or s.gauges[e]}  # type: ignore[union-attr]
+
+
+def ours_recorded(directory: Path, value: str | None) -> set[EventType]:
+    """The events our exporter records, under ``value``, when every event type is exported once."""
+    env = {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
+           "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(free_port()),
+           "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", **({} if value is None else {ENABLED: value})}
+    with create_exporter("agent", env) as exp:
+        for event in EventType:
+            exp.export_event(event, 1)
+    return recorded_events(directory)
+
+
+@pytest.mark.usefixtures("nixl_required")
+@pytest.mark.parametrize(("value", "expected"), [pytest.param(*c[1:], id=c[0]) for c in ENABLED_CASES])
+def test_same_enabled_metrics_same_events_recorded(tmp_path: Path, reaper: Reaper, value: str | None,
+                                                   expected: frozenset[EventType]) -> None:
+    cpp_dir = tmp_path / "cpp"
+    cpp_dir.mkdir()
+    [rank] = start_cpp_ranks(reaper, cpp_dir, free_port(), ["p"], [{} if value is None else {ENABLED: value}])
+    rank.write(4096)
+    if expected:
+        wait_until(lambda: recorded_events(cpp_dir) == expected, message=f"the plug-in to record {expected}")
+    else:
+        time.sleep(NOTHING_SETTLE_S)
+    assert recorded_events(cpp_dir) == expected
+    assert ours_recorded(tmp_path / "ours", value) & TRANSFER_EVENTS == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [pytest.param(*c[1:], id=c[0]) for c in ENABLED_CASES])
+def test_our_reading_of_enabled_metrics(tmp_path: Path, value: str | None, expected: frozenset[EventType]) -> None:
+    """The same table without the plug-in (runs where the wheel is not installed)."""
+    assert ours_recorded(tmp_path, value) & TRANSFER_EVENTS == expected
+
+
 # Where we are stricter or looser than the plug-in (docs/cpp-interop.md lists these): (id, variable, value with
 # {port} and {hex} filled in, the implementation that accepts it; the other refuses it).
 DIFFERENCES = [
