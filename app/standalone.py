@@ -1,7 +1,7 @@
 """The standalone aggregator: ``gunicorn app:wsgi`` (or ``python -m app serve``).
 
 The gunicorn master holds the address's owner election for as long as it
-runs (hooks in gunicorn.conf.py), exactly as an in-process owner would: the
+runs (hooks in app/gunicorn_conf.py), exactly as an in-process owner would: the
 ranks of the pod stay quiet writers, and if the aggregator dies the kernel
 drops its lock and a rank takes the address over in-process.  Workers serve
 the same directory; concurrent scrapes and reaping are safe because every
@@ -11,10 +11,13 @@ reader only probes, and reaping re-checks under an exclusive lock.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import re
 import signal
 import time
+import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +52,27 @@ class _MasterState:
 
 _master = _MasterState()
 _app: MetricsApp | None = None
+_COUNTS = (("GUNICORN_WORKERS", 2, 64), ("GUNICORN_THREADS", 4, 256))  # variable, default, maximum
+
+
+def gunicorn_counts(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(workers, threads) from GUNICORN_WORKERS and GUNICORN_THREADS.
+
+    Refused rather than passed to gunicorn: with 0 workers its master wins
+    the election and serves nothing (scrapes hang while the ranks stay
+    quiet), and a non-number fails deep inside gunicorn with a traceback.
+    """
+    env = os.environ if environ is None else environ
+    counts = []
+    for name, default, maximum in _COUNTS:
+        text = env.get(name, "").strip()
+        if not text:
+            counts.append(default)
+            continue
+        if re.fullmatch(r"[0-9]+", text) is None or not 1 <= int(text) <= maximum:
+            raise ConfigError(f"{name}={env[name]!r} is not a whole number in 1..{maximum}")
+        counts.append(int(text))
+    return counts[0], counts[1]
 
 
 def prepare_standalone(environ: Mapping[str, str] | None = None) -> Config:
@@ -67,18 +91,51 @@ def prepare_standalone(environ: Mapping[str, str] | None = None) -> Config:
 def hold_election(config: Config) -> Outcome:
     """Block until this process owns ``config.address`` (or the lock is unusable).
 
-    While a rank serves the address in-process, the aggregator waits rather
-    than fight it for the port.
+    While another process holds the election (a rank serving in-process,
+    another aggregator), the aggregator waits rather than fight it for the
+    port, and names it.
     """
     election = OwnerElection(config.directory, config.address)
-    waiting_logged = False
+    logged = named = False
     while (outcome := election.try_win()) is Outcome.LOST:
-        if not waiting_logged:
-            waiting_logged = True
-            log.warning("a rank already serves %s in-process; the aggregator waits for the address", config.address)
+        # The holder binds only after winning, so it may not answer yet: say so, then name it once it does.
+        if not named:
+            holder = describe_holder(config)
+            named = holder is not None
+            if named or not logged:
+                logged = True
+                log.warning("%s holds the owner election of %s; the aggregator waits until it exits",
+                            holder or "another process (its /healthz does not answer yet)", config.address)
         time.sleep(RETRY_NS / 1e9)
     _master.election, _master.pid, _master.since = election, os.getpid(), time.time()
     return outcome
+
+
+def describe_holder(config: Config) -> str | None:
+    """Who serves ``config.address``, from its /healthz (pid, host, mode, agent); None if nothing answers."""
+    host = "127.0.0.1" if config.host == "0.0.0.0" else config.host
+    try:
+        # No proxy: the holder is on this host, and an http_proxy from the environment would not reach it.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://{host}:{config.port}/healthz", timeout=1) as response:
+            owner = json.load(response)["owner"]
+        what = f"pid {owner['pid']} on {owner['hostname']} ({owner['mode']}"
+        return what + (f", agent {owner['agent_name']})" if owner.get("agent_name") else ")")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def refuse_reexec(config: Config) -> None:
+    """In the child gunicorn forks for a USR2 upgrade: exit instead of exec'ing a new master.
+
+    The old master holds the owner election until it exits, and the
+    operator only stops it once the new master serves: the new master
+    would wait for the election forever.
+    """
+    log.error("USR2 upgrade refused: this master (pid %d) holds the owner election of %s until it exits, so a "
+              "new master could never take over; restart the aggregator instead (a rank that exports serves "
+              "the address in the gap)", os.getppid(), config.address)
+    os._exit(1)
 
 
 def release_election() -> None:
@@ -123,8 +180,8 @@ def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
     warnings = health_warnings(owners, election)
     if _master.election is None:
         warnings.append({"kind": "unusable-lock", "message": (
-            "this aggregator holds no owner election (gunicorn was started without the project's "
-            "gunicorn.conf.py): ranks configured for the same address would fight it for the port"),
+            "this aggregator holds no owner election (gunicorn was started without "
+            "-c python:app.gunicorn_conf): ranks configured for the same address would fight it for the port"),
             "details": {"address": config.address}})
     return warnings
 

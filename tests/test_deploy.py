@@ -133,7 +133,6 @@ def test_aggregator_sidecar_runs_the_procfile_web_command() -> None:
     for _, _, spec in pod_specs():
         agg = aggregator(spec)
         assert agg.get("command", []) + agg.get("args", []) == procfile_web_command()
-        assert agg.get("workingDir"), "gunicorn.conf.py is found relative to the working directory"
         if agg in spec.get("initContainers", []):
             assert agg.get("restartPolicy") == "Always", "an init container aggregator must be a native sidecar"
 

@@ -14,8 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from support_e2e import (
-    REPO,
     by_rank,
     children_of,
     expected,
@@ -38,11 +38,11 @@ OPENMETRICS = "application/openmetrics-text;version=1.0.0"  # a client that acce
 
 
 def start_aggregator(r, directory: Path, port: int, workers: int = 2, **extra: str):
-    """The Procfile's web: command with the venv's gunicorn first on PATH, cwd the repository."""
+    """The Procfile's web: command with the venv's gunicorn first on PATH, run from outside the repository."""
     command = procfile_web_command()
     assert command[0] == "gunicorn", command
     env = rank_env(directory, port, GUNICORN_WORKERS=str(workers), GUNICORN_THREADS="4", **extra)
-    proc = r.start(command, env, cwd=REPO)
+    proc = r.start(command, env, cwd=directory.parent)
     wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 20,
                "gunicorn to answer /healthz")
     wait_until(lambda: len(children_of(proc.pid)) == workers, 10, f"{workers} gunicorn workers")
@@ -238,7 +238,7 @@ def test_missing_directory_fails_the_start_in_one_line(tmp_path: Path) -> None:
     env = rank_env(tmp_path, free_port())
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     with reaper() as r:
-        proc = r.start(procfile_web_command(), env, cwd=REPO)
+        proc = r.start(procfile_web_command(), env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) != 0
     out = proc.output
     assert "Traceback" not in out, out
@@ -249,7 +249,7 @@ def test_missing_directory_fails_the_start_in_one_line(tmp_path: Path) -> None:
 def test_bad_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
     env = rank_env(tmp_path / "mp", 1, NIXL_TELEMETRY_PROMETHEUS_PORT="99999")
     with reaper() as r:
-        proc = r.start(procfile_web_command(), env, cwd=REPO)
+        proc = r.start(procfile_web_command(), env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) != 0
     assert "Traceback" not in proc.output, proc.output
     assert proc.output.strip() == ("nixl-prometheus-mp: error: NIXL_TELEMETRY_PROMETHEUS_PORT='99999' is outside "
@@ -257,7 +257,7 @@ def test_bad_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
 
 
 def test_app_wsgi_without_the_config_file_names_the_variable(tmp_path: Path) -> None:
-    """``gunicorn app:wsgi`` run elsewhere (no ./gunicorn.conf.py): the worker fails to load, in one line."""
+    """``gunicorn app:wsgi`` without ``-c python:app.gunicorn_conf``: the worker fails to load, in one line."""
     env = rank_env(tmp_path, free_port())
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     with reaper() as r:
@@ -267,3 +267,62 @@ def test_app_wsgi_without_the_config_file_names_the_variable(tmp_path: Path) -> 
     assert "Traceback" not in proc.output, proc.output
     assert "NIXL_TELEMETRY_MULTIPROC_DIR is required" in proc.output
     assert "App failed to load" in proc.output
+
+
+@pytest.mark.parametrize(("variable", "value"), [("GUNICORN_WORKERS", "0"), ("GUNICORN_WORKERS", "two"),
+                                                 ("GUNICORN_WORKERS", "-1"), ("GUNICORN_WORKERS", "\u0663"),
+                                                 ("GUNICORN_WORKERS", "1000"), ("GUNICORN_THREADS", "0"),
+                                                 ("GUNICORN_THREADS", "4.5")])
+def test_bad_worker_or_thread_count_fails_the_start_in_one_line(tmp_path: Path, variable: str, value: str) -> None:
+    """0 workers would win the election and serve nothing; a non-number was a gunicorn traceback."""
+    directory = tmp_path / "mp"
+    env = rank_env(directory, free_port(), **{variable: value})
+    with reaper() as r:
+        proc = r.start(procfile_web_command(), env, cwd=tmp_path)
+        assert proc.popen.wait(timeout=30) == 1
+    assert proc.output.strip() == (f"nixl-prometheus-mp: error: {variable}={value!r} is not a whole number in "
+                                   f"1..{64 if variable == 'GUNICORN_WORKERS' else 256}"), proc.output
+    assert not directory.exists()  # refused before anything was created
+
+
+def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        rank = r.rank(directory, port, 0)
+        assert wait_ready(rank) is True
+        agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        line = agg.wait_line(lambda s: "holds the owner election" in s and "pid " in s, 20)
+        assert f"pid {rank.pid} on " in line and "(in-process, agent agent-0)" in line, line
+        assert f"of 127.0.0.1:{port}; the aggregator waits until it exits" in line, line
+        # ... and once the rank is gone, it takes the address over.
+        rank.stop()
+        health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=1), 20,
+                            "the aggregator to serve")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", agg.pid)
+
+
+def test_waiting_aggregator_names_the_aggregator_that_holds_the_address(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        first = start_aggregator(r, directory, port, workers=1)
+        second = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        line = second.wait_line(lambda s: "holds the owner election" in s, 20)
+        assert f"pid {first.pid} on " in line and "(standalone)" in line, line
+
+
+def test_usr2_upgrade_is_refused_and_the_old_master_keeps_serving(tmp_path: Path) -> None:
+    """A new master could never win the election its old master holds: refused at once, with the reason."""
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=1)
+        workers = children_of(master.pid)
+        os.kill(master.pid, signal.SIGUSR2)
+        line = master.wait_line(lambda s: "USR2 upgrade refused" in s, 20)
+        assert f"this master (pid {master.pid}) holds the owner election of 127.0.0.1:{port}" in line, line
+        assert "restart the aggregator instead" in line
+        # The refused child is gone (reaped by the master), the old master and its worker still serve.
+        wait_until(lambda: children_of(master.pid) == workers, 10,
+                   lambda: f"only the worker {workers} left ({children_of(master.pid)})")
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", master.pid)
+        assert "Traceback" not in master.output, master.output

@@ -1,17 +1,28 @@
-"""gunicorn configuration for the standalone aggregator (``gunicorn app:wsgi``).
+"""gunicorn configuration of the standalone aggregator.
 
-gunicorn reads ./gunicorn.conf.py by default, so a plain ``gunicorn app:wsgi``
-run from the project directory picks this up; the Procfile names it
-explicitly.  It binds the address the ranks are configured with and holds
-that address's owner election in the master; the workers only serve.
+Run it from any directory, installed or from a checkout::
+
+    gunicorn -c python:app.gunicorn_conf app:wsgi
+
+It binds the address the ranks are configured with and holds that address's
+owner election in the master (the hooks below); the workers only serve.
+A configuration error stops the start with one line naming the variable:
+gunicorn lets SystemExit through its config loading, and prints a traceback
+for anything else.
 """
 
 import logging
-import os
 import sys
 
 from app.config import ConfigError
-from app.standalone import hold_election, prepare_standalone, release_election, worker_forked
+from app.standalone import (
+    gunicorn_counts,
+    hold_election,
+    prepare_standalone,
+    refuse_reexec,
+    release_election,
+    worker_forked,
+)
 
 if not logging.getLogger("nixl_prometheus_mp").handlers:  # our log lines, formatted like gunicorn's
     _handler = logging.StreamHandler()
@@ -21,17 +32,14 @@ if not logging.getLogger("nixl_prometheus_mp").handlers:  # our log lines, forma
     logging.getLogger("nixl_prometheus_mp").setLevel(logging.INFO)
 
 try:
+    workers, threads = gunicorn_counts()
     _config = prepare_standalone()
 except ConfigError as _exc:
-    # One line naming the variable, not gunicorn's "Failed to read config file" traceback
-    # (SystemExit is the one exception gunicorn lets through here).
     print(f"nixl-prometheus-mp: error: {_exc}", file=sys.stderr)
     raise SystemExit(1) from None
 
 bind = [f"{_config.host}:{_config.port}"]
 worker_class = "gthread"
-workers = int(os.environ.get("GUNICORN_WORKERS", "2"))
-threads = int(os.environ.get("GUNICORN_THREADS", "4"))
 timeout = 30
 graceful_timeout = 5
 accesslog = None
@@ -42,8 +50,13 @@ def on_starting(server):
     # Before gunicorn binds: the election, not the bind, decides who serves.
     try:
         hold_election(_config)
-    except KeyboardInterrupt:  # Ctrl-C while a rank serves the address and we wait for it
+    except KeyboardInterrupt:  # Ctrl-C while another process serves the address and we wait for it
         raise SystemExit(1) from None
+
+
+def pre_exec(server):
+    # In the child forked for a USR2 upgrade, before it execs a new master.
+    refuse_reexec(_config)
 
 
 def post_fork(server, worker):
