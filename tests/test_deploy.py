@@ -1,9 +1,12 @@
-"""deploy/: the Kubernetes manifests, the Prometheus scrape configuration, the Grafana dashboard.
+"""deploy/: the Kubernetes manifests, the Prometheus configurations and rules, the Grafana dashboard.
 
 Every *.yaml in deploy/ is a Kubernetes manifest, validated against the
 newest Kubernetes schema kubernetes-validate ships (strict: unknown fields
-are errors). The PodMonitor is a CRD that kubernetes-validate cannot know;
-its structure is checked here against what the Prometheus Operator requires.
+are errors). The PodMonitor and PrometheusRule are CRDs that
+kubernetes-validate cannot know; their structure is checked here against
+what the Prometheus Operator requires. The *.yml files are Prometheus's:
+configurations (promtool check config) and rules (promtool check rules,
+and the unit tests of nixl.rules.test.yml with promtool test rules).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ DEPLOY = REPO / "deploy"
 MOUNT = "/run/nixl_metrics"
 DIR_ENV = "NIXL_TELEMETRY_MULTIPROC_DIR"
 PORT_ENV = "NIXL_TELEMETRY_PROMETHEUS_PORT"
-CRDS = {("monitoring.coreos.com/v1", "PodMonitor")}
+CRDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 DURATION = re.compile(r"^(\d+(ms|s|m|h))+$")
 
 
@@ -84,14 +87,17 @@ def seconds(duration: str) -> float:
 
 def test_deploy_has_the_expected_files() -> None:
     kinds = sorted(doc["kind"] for _, doc in manifests())
-    assert kinds == ["Deployment", "PodMonitor", "Service"]
-    assert (DEPLOY / "prometheus.yml").is_file() and (DEPLOY / "grafana-dashboard.json").is_file()
+    assert kinds == ["Deployment", "NetworkPolicy", "PodMonitor", "PrometheusRule", "Service"]
+    for name in ("prometheus.yml", "prometheus-global.yml", "nixl.rules.yml", "nixl.rules.test.yml",
+                 "grafana-dashboard.json"):
+        assert (DEPLOY / name).is_file(), name
 
 
 @pytest.mark.parametrize("name,doc", [pytest.param(n, d, id=f"{n}:{d['kind']}") for n, d in manifests()])
 def test_manifest_validates_against_kubernetes_schema(name: str, doc: dict[str, Any]) -> None:
     if (doc["apiVersion"], doc["kind"]) in CRDS:
-        pytest.skip("a CRD: kubernetes-validate has no schema for it (test_podmonitor_structure checks it)")
+        pytest.skip("a CRD: kubernetes-validate has no schema for it (test_podmonitor_structure and "
+                    "test_prometheusrule_carries_the_rules_file check it)")
     version = kubernetes_validate.latest_version()
     kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError naming the field
 
@@ -201,22 +207,42 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @needs_promtool
-def test_prometheus_config_passes_promtool(tmp_path: Path) -> None:
-    config = DEPLOY / "prometheus.yml"
+@pytest.mark.parametrize("name", ["prometheus.yml", "prometheus-global.yml"])
+def test_prometheus_config_passes_promtool(tmp_path: Path, name: str) -> None:
+    config = DEPLOY / name
     done = promtool("check", "config", str(config))
     if done.returncode != 0 and NO_K8S_SD in done.stdout + done.stderr:
         # Debian's Prometheus is built without Kubernetes service discovery, so its promtool cannot
         # parse kubernetes_sd_configs at all. Check everything else promtool can: the same job with
-        # the discovery swapped for file_sd_configs (relabelling, intervals, timeouts all kept).
+        # the discovery swapped for file_sd_configs (relabelling, intervals, timeouts, rules all kept).
         doc = yaml.safe_load(config.read_text())
         for job in doc["scrape_configs"]:
             if job.pop("kubernetes_sd_configs", None) is not None:
                 job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.json")]}]
+        doc["rule_files"] = [str(DEPLOY / f) for f in doc.get("rule_files", [])]
         (tmp_path / "targets.json").write_text("[]")
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(doc))
-        done = promtool("check", "config", str(tmp_path / "prometheus.yml"))
+        (tmp_path / name).write_text(yaml.safe_dump(doc))
+        done = promtool("check", "config", str(tmp_path / name))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout + done.stderr
+    if name == "prometheus.yml":  # the rules are loaded, and checked with the configuration
+        assert "SUCCESS: 13 rules found" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_global_prometheus_federates_the_recorded_series() -> None:
+    doc = yaml.safe_load((DEPLOY / "prometheus-global.yml").read_text())
+    (job,) = doc["scrape_configs"]
+    assert job["metrics_path"] == "/federate" and job["honor_labels"] is True
+    recorded = {r["record"] for g in rules_file()["groups"] for r in g["rules"] if "record" in r}
+    matchers = job["params"]["match[]"]
+    name_regex = re.fullmatch(r'\{__name__=~"(.+)"\}', matchers[0]).group(1)
+    assert {r for r in recorded if re.fullmatch(name_regex, r)} == recorded
+    assert matchers[1].startswith("up{")
+    (write,) = doc["remote_write"]
+    (keep,) = write["write_relabel_configs"]
+    assert all(re.fullmatch(keep["regex"], r) for r in recorded | {"up"})
+    local = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    assert local["global"]["external_labels"]["cluster"], "each cluster's series must say which cluster"
 
 
 def test_prometheus_config_discovers_the_aggregator_port() -> None:
@@ -232,6 +258,67 @@ def test_prometheus_config_discovers_the_aggregator_port() -> None:
         assert re.fullmatch(port_name, metrics_port(aggregator(spec))["name"])
         ttl = float(env_of(aggregator(spec)).get("NIXL_TELEMETRY_MP_STALE_TTL") or 30)
         assert ttl >= seconds(job["scrape_interval"])
+
+
+# -- rules --------------------------------------------------------------------------------
+
+def rules_file() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "nixl.rules.yml").read_text())
+
+
+def test_prometheusrule_carries_the_rules_file() -> None:
+    (rule,) = of_kind("PrometheusRule")
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"} and rule["metadata"]["name"]
+    assert rule["spec"] == rules_file()
+
+
+def test_rules_cover_what_operators_alert_on() -> None:
+    rules = [r for g in rules_file()["groups"] for r in g["rules"]]
+    alerts = {r["alert"]: r for r in rules if "alert" in r}
+    assert set(alerts) == {"NixlMetricsEndpointDown", "NixlRankDeparted", "NixlTransferErrors",
+                           "NixlTelemetryEventsDropped"}
+    recorded = {r["record"]: r["expr"] for r in rules if "record" in r}
+    for name in ("pod:agent_xfer_time_us:p50_5m", "pod:agent_xfer_time_us:p90_5m", "pod:agent_xfer_time_us:p99_5m"):
+        assert "sum by (job, namespace, pod, instance, le) (rate(agent_xfer_time_us_bucket" in recorded[name]
+    referenced = set().union(*(metric_names(r["expr"]) for r in rules))
+    assert referenced - known_metric_names() - set(recorded) == set()
+    # An endpoint that stays down is 4+ scrape intervals (15 s), not a takeover's sub-second gap.
+    assert seconds(alerts["NixlMetricsEndpointDown"]["for"]) >= 4 * 15
+
+
+@needs_promtool
+def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    done = promtool("check", "rules", str(DEPLOY / "nixl.rules.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = promtool("test", "rules", str(DEPLOY / "nixl.rules.test.yml"))
+    assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
+
+
+# -- who may read it -------------------------------------------------------------------------
+
+def covers(rule_port: dict[str, Any], port: int, protocol: str = "TCP") -> bool:
+    if rule_port.get("protocol", "TCP") != protocol:
+        return False
+    return rule_port["port"] <= port <= rule_port.get("endPort", rule_port["port"])
+
+
+def test_networkpolicy_admits_only_prometheus_to_the_metrics_port() -> None:
+    (policy,) = of_kind("NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    for _, template, pod_spec in pod_specs():
+        assert all(template["labels"].get(k) == v for k, v in spec["podSelector"]["matchLabels"].items())
+        port = int(metrics_port(aggregator(pod_spec))["containerPort"])
+        admitting = [rule for rule in spec["ingress"]
+                     if "ports" not in rule or any(covers(p, port) for p in rule["ports"])]
+        (rule,) = admitting  # one rule opens the metrics port ...
+        assert [covers(p, port) for p in rule["ports"]] == [True]
+        (peer,) = rule["from"]  # ... to Prometheus pods only (both selectors: AND)
+        assert peer["podSelector"]["matchLabels"] and peer["namespaceSelector"]["matchLabels"]
+        assert "ipBlock" not in peer
+        # every other TCP port stays open (the ranks' own traffic), so the policy only closes the metrics port
+        others = [p for r in spec["ingress"] if r is not rule for p in r["ports"]]
+        assert all(any(covers(p, n) for p in others) for n in (1, port - 1, port + 1, 65535))
 
 
 # -- the Grafana dashboard ------------------------------------------------------------
@@ -259,7 +346,7 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for match in re.finditer(r"[a-zA-Z_:][\w:]*", expr):
         word, rest = match.group(), expr[match.end():].lstrip()
-        if rest.startswith("(") or word in {"and", "or", "unless", "bool", "offset"}:
+        if rest.startswith("(") or word in {"and", "or", "unless", "bool", "offset", "group_left", "group_right"}:
             continue  # a function or an operator
         names.add(word)
     return names
@@ -295,8 +382,8 @@ def test_dashboard_panels() -> None:
     assert doc["uid"] and doc["title"] and isinstance(doc["schemaVersion"], int)
     exprs = dashboard_exprs()
     assert any("histogram_quantile(" in e and "rate(agent_xfer_time_us_bucket" in e for e in exprs)
-    assert any(re.search(r"by \(local_rank\) \(rate\(agent_tx_bytes_total", e) for e in exprs)
-    assert any(re.search(r"by \(local_rank\) \(rate\(agent_rx_bytes_total", e) for e in exprs)
+    assert any(re.search(r"by \([^)]*\) \(rate\(agent_tx_bytes_total", e) for e in exprs)
+    assert any(re.search(r"by \([^)]*\) \(rate\(agent_rx_bytes_total", e) for e in exprs)
     assert any(re.search(r"by \(status\) \(rate\(agent_errors_total", e) for e in exprs)
     assert any(e.startswith("count(agent_") for e in exprs) and any("up{" in e for e in exprs)
     ids = [p["id"] for p in doc["panels"]]
@@ -304,6 +391,28 @@ def test_dashboard_panels() -> None:
     for p in doc["panels"]:
         for t in p.get("targets", []):
             assert t["datasource"]["uid"] == "${datasource}"
+
+
+RANK_KEY = {"instance", "hostname", "agent_name", "agent_instance", "local_rank"}
+
+
+def test_per_rank_panels_group_by_what_identifies_a_rank_across_pods() -> None:
+    """Not by local_rank alone: that merges rank N of every pod, and every rank without LOCAL_RANK."""
+    per_rank = [(p["title"], t) for p in dashboard()["panels"] if re.search(r"\b(per|by) rank\b", p["title"])
+                for t in p.get("targets", [])]
+    assert len(per_rank) >= 8
+    for title, target in per_rank:
+        clauses = [set(c.replace(" ", "").split(",")) - {"le"}
+                   for c in re.findall(r"\bby \(([^)]*)\)", target["expr"])]
+        assert clauses and all(c == RANK_KEY for c in clauses), (title, target["expr"])
+        # The legend names the rank with labels every series has (no {{pod}}: empty with a static scrape config).
+        legend = set(re.findall(r"\{\{(\w+)\}\}", target["legendFormat"]))
+        assert {"hostname", "agent_name"} <= legend <= RANK_KEY, (title, target["legendFormat"])
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            for label in re.findall(r"\{\{(\w+)\}\}", target.get("legendFormat", "")):
+                if label == "pod":  # only beside a label every target has
+                    assert "{{instance}}" in target["legendFormat"], target["legendFormat"]
 
 
 @needs_promtool
