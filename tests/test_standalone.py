@@ -7,11 +7,17 @@ election locked; killing the aggregator hands the address to a rank.
 
 from __future__ import annotations
 
+import http.client
 import os
+import shutil
 import signal
+import ssl
+import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -326,3 +332,36 @@ def test_usr2_upgrade_is_refused_and_the_old_master_keeps_serving(tmp_path: Path
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", master.pid)
         assert "Traceback" not in master.output, master.output
+
+
+def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path: Path) -> None:
+    """docs/operations.md's TLS recipe: the web: command plus --certfile/--keyfile, a throwaway self-signed pair."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command is not installed")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        rank = r.rank(directory, port, 0)
+        assert wait_ready(rank) is True  # serves until the aggregator takes over below
+        rank.stop()
+        command = [*procfile_web_command()[:-1], "--certfile", str(cert), "--keyfile", str(key),
+                   procfile_web_command()[-1]]
+        agg = r.start(command, rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        trusted = ssl.create_default_context(cafile=str(cert))
+
+        def scrape(context: ssl.SSLContext) -> bytes:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=context, timeout=5) as response:
+                assert response.status == 200
+                return response.read()
+
+        body = wait_until(lambda: scrape(trusted), 20, lambda: f"a TLS scrape; output:\n{agg.output}")
+        assert by_rank(parse_text(body), "agent_tx_bytes_total") == {"0": expected(0)["agent_tx_bytes_total"]}
+        # Verified against the certificate as CA; a client that does not trust it is refused, plain HTTP fails.
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            scrape(ssl.create_default_context())
+        with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
+            http_get(f"http://127.0.0.1:{port}/metrics", timeout=5)
