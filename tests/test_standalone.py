@@ -365,3 +365,20 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
             scrape(ssl.create_default_context())
         with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
             http_get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_hup_replaces_the_workers_and_the_master_keeps_the_election(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
+    with reaper() as r:
+        master = start_aggregator(r, directory, port, workers=2)
+        old = sorted(children_of(master.pid))
+        os.kill(master.pid, signal.SIGHUP)
+        new = wait_until(lambda: (lambda c: c if len(c) == 2 and not set(c) & set(old) else None)(
+            sorted(children_of(master.pid))), 20, "two new workers")
+        wait_until(lambda: holders_of(lock_path, [master.pid, *new]) == [master.pid], 10,
+                   "the new workers to drop the election descriptor")
+        assert not lock_is_free(lock_path)
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", master.pid)
+        assert "Traceback" not in master.output, master.output
