@@ -106,6 +106,32 @@ def test_sdist_holds_every_source_the_wheel_is_built_from(dists: Dists) -> None:
     assert sorted(set(wanted) - names) == []
 
 
+PROBE_C = """
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+static struct PyModuleDef probe = {PyModuleDef_HEAD_INIT, "_packaging_probe", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit__packaging_probe(void) { return PyModule_Create(&probe); }
+"""
+
+
+def test_sdist_carries_the_c_speedups_and_its_wheel_compiles_them(tmp_path: Path) -> None:
+    """A store/_*.c source (a stand-in module here) goes into the sdist, and the wheel built from it has it compiled."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: setup.py builds the pure-Python package only (its own warning says so)")
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "*.so",
+                                                             "__pycache__", ".*_cache", ".hypothesis"))
+    (src / "store" / "_packaging_probe.c").write_text(PROBE_C)
+    run([sys.executable, "-m", "build", "--outdir", str(tmp_path / "dist"), str(src)])
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with tarfile.open(sdist) as tar:
+        assert any(name.endswith("/store/_packaging_probe.c") for name in tar.getnames())
+    assert not wheel.name.endswith("-none-any.whl"), wheel.name  # a platform wheel: it holds a compiled module
+    assert [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("store/_packaging_probe.")
+            and n.endswith(".so")], zipfile.ZipFile(wheel).namelist()
+
+
 def test_twine_check_passes(dists: Dists) -> None:
     done = run([sys.executable, "-m", "twine", "check", "--strict", str(dists.sdist), str(dists.wheel)])
     assert done.stdout.count("PASSED") == 2, done.stdout
