@@ -17,8 +17,10 @@ import os
 import re
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from app.collector import Collector
@@ -26,7 +28,7 @@ from app.config import Config, ConfigError, prepare_directory
 from app.endpoint import RETRY_NS
 from app.exporter import OwnerWatch, health_warnings
 from app.web import MetricsApp, owner_doc
-from election import Outcome, OwnerElection
+from election import Outcome, OwnerElection, lock_file_name
 
 try:
     from gunicorn.errors import AppImportError as _AppLoadError
@@ -100,29 +102,58 @@ def hold_election(config: Config) -> Outcome:
     while (outcome := election.try_win()) is Outcome.LOST:
         # The holder binds only after winning, so it may not answer yet: say so, then name it once it does.
         if not named:
-            holder = describe_holder(config)
-            named = holder is not None
+            holder, named = describe_holder(config)
             if named or not logged:
                 logged = True
-                log.warning("%s holds the owner election of %s; the aggregator waits until it exits",
-                            holder or "another process (its /healthz does not answer yet)", config.address)
+                log.warning("%s holds the owner election of %s; the aggregator waits for the address (until "
+                            "that process exits)", holder, config.address)
         time.sleep(RETRY_NS / 1e9)
     _master.election, _master.pid, _master.since = election, os.getpid(), time.time()
     return outcome
 
 
-def describe_holder(config: Config) -> str | None:
-    """Who serves ``config.address``, from its /healthz (pid, host, mode, agent); None if nothing answers."""
+def describe_holder(config: Config) -> tuple[str, bool]:
+    """Who holds ``config.address``'s election, and whether that is final.
+
+    Its /healthz says pid, host, mode and agent. A holder without /healthz
+    (NIXL's C++ plug-in serves none) or not serving yet is named by the pid
+    the kernel reports for the lock (/proc/locks).
+    """
     host = "127.0.0.1" if config.host == "0.0.0.0" else config.host
+    serving = True
     try:
         # No proxy: the holder is on this host, and an http_proxy from the environment would not reach it.
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(f"http://{host}:{config.port}/healthz", timeout=1) as response:
             owner = json.load(response)["owner"]
         what = f"pid {owner['pid']} on {owner['hostname']} ({owner['mode']}"
-        return what + (f", agent {owner['agent_name']})" if owner.get("agent_name") else ")")
+        return what + (f", agent {owner['agent_name']})" if owner.get("agent_name") else ")"), True
+    except urllib.error.HTTPError:
+        pass  # it serves, without our /healthz
     except (OSError, ValueError, KeyError, TypeError):
+        serving = False  # nothing answers (yet), or not over plain HTTP
+    pid = lock_holder_pid(config.directory / lock_file_name(config.address))
+    who = f"pid {pid}" if pid else "another process"
+    if serving:
+        return f"{who} (serving {config.address} without /healthz: NIXL's C++ plug-in?)", True
+    return f"{who} (its /healthz does not answer yet)", False
+
+
+def lock_holder_pid(path: Path) -> int | None:
+    """The pid /proc/locks gives for the flock on ``path`` (None: not found, or in another pid namespace)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
         return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; blocked waiters have "->" and are skipped.
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
+            return int(fields[4]) or None
+    return None
 
 
 def refuse_reexec(config: Config) -> None:

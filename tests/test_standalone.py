@@ -299,7 +299,7 @@ def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path
         agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         line = agg.wait_line(lambda s: "holds the owner election" in s and "pid " in s, 20)
         assert f"pid {rank.pid} on " in line and "(in-process, agent agent-0)" in line, line
-        assert f"of 127.0.0.1:{port}; the aggregator waits until it exits" in line, line
+        assert f"of 127.0.0.1:{port}; the aggregator waits for the address" in line, line
         # ... and once the rank is gone, it takes the address over.
         rank.stop()
         health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=1), 20,
@@ -382,3 +382,33 @@ def test_hup_replaces_the_workers_and_the_master_keeps_the_election(tmp_path: Pa
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", master.pid)
         assert "Traceback" not in master.output, master.output
+
+
+# Holds an address's election lock like NIXL's C++ plug-in would: flock, then (with a port) serve HTTP without
+# /healthz (every request an HTTP error). Prints "ready", exits when stdin closes.
+HOLDER_CODE = """
+import fcntl, http.server, os, sys, threading
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+if len(sys.argv) > 2:
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("serves", [True, False], ids=["serving-without-healthz", "not-serving"])
+def test_waiting_aggregator_names_a_holder_without_healthz_by_its_lock(tmp_path: Path, serves: bool) -> None:
+    """A C++ owner serves no /healthz: the pid comes from the kernel's lock table."""
+    directory, port = tmp_path / "mp", free_port()
+    directory.mkdir(mode=0o700)
+    lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
+    with reaper() as r:
+        args = [sys.executable, "-c", HOLDER_CODE, str(lock_path), *([str(port)] if serves else [])]
+        holder = r.start(args, rank_env(directory, port), stdin=True)
+        holder.wait_line(lambda s: s == "ready", 20)
+        agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        line = agg.wait_line(lambda s: "holds the owner election" in s, 20)
+        state = f"serving 127.0.0.1:{port} without /healthz" if serves else "its /healthz does not answer yet"
+        assert f"pid {holder.pid} ({state}" in line, line
