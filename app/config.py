@@ -1,4 +1,4 @@
-"""Configuration from the environment (DESIGN.md "Configuration").
+"""Configuration from the environment (the table in the README, "Configuration").
 
 Bad values are fatal and named: a rank that selected this exporter and got
 the directory wrong must fail loudly at startup, not run without telemetry.

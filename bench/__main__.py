@@ -284,7 +284,7 @@ def report(results: Results, settings: Settings, info: dict[str, str], command: 
     lines += _memory_section(results)
     targets = _targets(results)
     if targets:
-        lines += ["**Targets** (DESIGN.md)", "", table(["target", "measured", ""], targets), ""]
+        lines += ["**Targets**", "", table(["target", "measured", ""], targets), ""]
     return "\n".join(lines)
 
 

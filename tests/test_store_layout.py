@@ -1,7 +1,7 @@
-"""The on-disk contract (DESIGN.md "On-disk store"), checked against a table typed in here.
+"""The on-disk contract (docs/format.md), checked against a table typed in here.
 
 Nothing below takes an offset from store.layout: the table is copied from
-DESIGN.md, so moving a field in layout.py (or in the writer) fails these tests.
+docs/format.md, so moving a field in layout.py (or in the writer) fails these tests.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from store import layout as L
 
 pytestmark = pytest.mark.skipif(sys.byteorder != "little", reason="the contract is checked on little-endian hosts")
 
-# DESIGN.md, "On-disk store": name -> (offset, size in bytes).
+# docs/format.md: name -> (offset, size in bytes).
 CONTRACT = {
     "magic": (0, 8),
     "version": (8, 4),

@@ -1,4 +1,4 @@
-"""The reader: stores built by hand at the DESIGN.md offsets, invalid content vs unreadable files."""
+"""The reader: stores built by hand at the offsets of docs/format.md, invalid content vs unreadable files."""
 
 from __future__ import annotations
 

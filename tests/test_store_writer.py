@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("recording_path")
 LOGGER = "nixl_prometheus_mp.store"
 E = EventType
 
-# DESIGN.md "Metric set": which of counter / gauge / histogram each event feeds.
+# docs/format.md, the metric table: which of counter / gauge / histogram each event feeds.
 FEEDS = {
     E.AGENT_TX_BYTES: {"counter", "gauge"},
     E.AGENT_RX_BYTES: {"counter", "gauge"},
@@ -34,7 +34,7 @@ FEEDS = {
     **{e: {"counter"} for e in EventType if e.name.startswith("AGENT_ERR_")},
     E.AGENT_TELEMETRY_EVENTS_DROPPED: {"counter"},
 }
-# DESIGN.md: EventType keeps NIXL's numbering.
+# EventType keeps NIXL's numbering.
 NUMBERING = [
     "AGENT_TX_BYTES", "AGENT_RX_BYTES", "AGENT_TX_REQUESTS_NUM", "AGENT_RX_REQUESTS_NUM",
     "AGENT_MEMORY_REGISTERED", "AGENT_MEMORY_DEREGISTERED", "AGENT_XFER_TIME", "AGENT_XFER_POST_TIME",
