@@ -1,10 +1,13 @@
-"""Shared fixtures.  Store tests use: tmp_dir, make_identity, make_writer, lock_probe."""
+"""Shared fixtures.  Store tests use: tmp_dir, make_identity, make_writer, lock_probe; permission tests
+root_owned_dir."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,3 +101,18 @@ def recording_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     else:
         monkeypatch.setattr(store.writer, "NATIVE", None)
     return str(request.param)
+
+
+@pytest.fixture
+def root_owned_dir() -> Iterator[Path]:
+    """A root-owned 0755 directory that uid 65534 can reach (pytest's tmp_path is 0700) but not write."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a directory another uid cannot write")
+    top = Path(tempfile.mkdtemp(prefix="nixl-unwritable-"))
+    try:
+        top.chmod(0o755)
+        (top / "mp").mkdir()
+        (top / "mp").chmod(0o755)
+        yield top / "mp"
+    finally:
+        shutil.rmtree(top)

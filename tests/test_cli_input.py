@@ -10,14 +10,11 @@ import importlib
 import os
 import re
 import runpy
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,20 +131,6 @@ def test_demo_refuses_a_port_another_program_holds_and_names_it(cli: list[str], 
 
 
 # -- the directory --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def root_owned_dir() -> Iterator[Path]:
-    """A root-owned 0755 directory that uid 65534 can reach (pytest's tmp_path is 0700) but not write."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a directory another uid cannot write")
-    top = Path(tempfile.mkdtemp(prefix="nixl-cli-"))
-    try:
-        top.chmod(0o755)
-        (top / "mp").mkdir()
-        (top / "mp").chmod(0o755)
-        yield top / "mp"
-    finally:
-        shutil.rmtree(top)
 
 
 def run_module_as_nobody(*args: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

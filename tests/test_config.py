@@ -7,13 +7,12 @@ forked child that dropped to uid/gid 65534, as an unprivileged rank would.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
-import shutil
 import stat
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,23 +83,12 @@ def test_relative_directory_is_refused(tmp_path: Path, monkeypatch: pytest.Monke
 
 # -- a directory this user cannot write ---------------------------------------------------------------------------
 
-@pytest.fixture
-def root_owned_dir() -> Iterator[Path]:
-    """A root-owned 0755 directory that uid 65534 can reach (pytest's tmp_path is 0700) but not write."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a directory another uid cannot write")
-    top = Path(tempfile.mkdtemp(prefix="nixl-cfg-"))
-    try:
-        top.chmod(0o755)
-        (top / "mp").mkdir()
-        (top / "mp").chmod(0o755)
-        yield top / "mp"
-    finally:
-        shutil.rmtree(top)
-
 
 def run_as_nobody(body: Callable[[], dict[str, object]]) -> dict[str, object]:
     """``body()`` in a forked child running as uid/gid 65534; its JSON-able result."""
+    # Binding the endpoint imports encodings.idna lazily; where the interpreter's library is not readable by
+    # uid 65534 (a pyenv under /root), the child could not import it, so it is imported here, before the fork.
+    importlib.import_module("encodings.idna")
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
