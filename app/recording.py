@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from store.metrics import ERROR_EVENTS, EventType, error_status
-from store.writer import NATIVE, Recorder, TransferRecorder, event_type, transfer_direction
+from store.writer import NATIVE, Recorder, TransferRecorder, event_type, recorder_for, transfer_direction
 
 _STATUS_EVENTS = {error_status(ev): ev for ev in ERROR_EVENTS}
 
@@ -48,14 +48,7 @@ class PyRecording:
         type (only EventType or int; not bool or float) or a value that is
         not an unsigned 64-bit integer.
         """
-        if event.__class__ is not int and event.__class__ is not EventType:
-            event = event_type(event)  # a bool or float would otherwise hash like an int
-        try:
-            recorder = self._recorders[event]
-        except KeyError:
-            event_type(event)
-            raise
-        if recorder(value) >= self._next_claim_ns:
+        if recorder_for(self._recorders, event)(value) >= self._next_claim_ns:
             self._on_deadline()
 
     def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> None:

@@ -138,6 +138,21 @@ def int_bounds(bounds: tuple[float, ...]) -> tuple[int, ...]:
     return tuple(math.floor(b) for b in bounds)
 
 
+def recorder_for(recorders: dict[int, Recorder], event: Any) -> Recorder:
+    """The recorder of ``event``; raises as an unknown event type must, changing nothing.
+
+    Only an int or an EventType is an event type: a bool or a float would
+    otherwise hash like an int and be taken for one.
+    """
+    if event.__class__ is not int and event.__class__ is not EventType:
+        event = event_type(event)
+    try:
+        return recorders[event]
+    except KeyError:
+        event_type(event)
+        raise
+
+
 def encode_field(value: str, size: int, what: str) -> bytes:
     """UTF-8 bytes of ``value`` that fit a NUL-terminated field of ``size``.
 
@@ -474,14 +489,7 @@ class StoreWriter:
         """
         if self.native is not None:
             return int(self.native.record(event, value))
-        if event.__class__ is not int and event.__class__ is not EventType:
-            event = event_type(event)  # a bool or float would otherwise hash like an int
-        try:
-            recorder = self.recorders[event]
-        except KeyError:
-            event_type(event)
-            raise
-        return recorder(value)
+        return recorder_for(self.recorders, event)(value)
 
     def record_transfer(self, xfer_time_us: int, post_time_us: int, nbytes: int, is_write: bool) -> int:
         """One completed transfer: bytes, one request, post time, transfer time.
