@@ -353,9 +353,10 @@ class _Stopped(Exception):
 
 
 @contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
+def _stop_on_signals(received: list[int]) -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like Ctrl-C does, so curses gives the terminal back whatever ends the view."""
     def stop(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
         raise _Stopped(signum)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -374,14 +375,17 @@ def run_live(sampler: Sampler, first: Frame, interval: float) -> int:
 
     locale.setlocale(locale.LC_ALL, "")  # agent names are UTF-8: let curses draw them as such
     view = _LiveView(sampler, first, interval)
+    received: list[int] = []
     try:
-        with _stop_on_signals():
+        with _stop_on_signals(received):
             curses.wrapper(view.loop)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except _Stopped as exc:
         return 128 + exc.signum
     except curses.error as exc:
+        if received:  # the terminal hung up: restoring it failed, and there is nobody left to tell
+            return 128 + received[0]
         raise CliError(f"cannot draw on this terminal ({exc}, TERM={os.environ.get('TERM')!r}); "
                        "print one snapshot with --once instead") from None
     return 0
@@ -410,13 +414,26 @@ class _LiveView:
                 self.sort = (self.sort + 1) % len(SORTS)
             elif key == ord("r"):
                 self.reverse = not self.reverse
-            elif key == curses.KEY_RESIZE:
-                curses.update_lines_cols()
-                screen.clear()  # everything moves: repaint the whole screen, not the difference
+            self.follow_size(screen, key == curses.KEY_RESIZE)
             now = time.monotonic()
             if now >= due:
                 self.frame = self.sampler.sample()
                 due = max(due + self.interval, now)
+
+    @staticmethod
+    def follow_size(screen: curses.window, resized: bool) -> None:
+        """Take the terminal's size: on KEY_RESIZE, and also by asking it, since ncurses only learns of a
+        resize from SIGWINCH, which a process can be started without receiving."""
+        import curses
+
+        try:
+            size = os.get_terminal_size(sys.__stdout__.fileno() if sys.__stdout__ else 1)
+        except OSError:
+            return
+        if curses.is_term_resized(size.lines, size.columns):
+            curses.resizeterm(size.lines, size.columns)  # queues a KEY_RESIZE: cleared on the next round
+        elif resized:
+            screen.clear()  # everything moved: repaint the whole screen, not the difference
 
     def draw(self, screen: curses.window, styles: dict[int, int]) -> None:
         import curses
