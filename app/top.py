@@ -422,8 +422,8 @@ class _LiveView:
 
     @staticmethod
     def follow_size(screen: curses.window, resized: bool) -> None:
-        """Take the terminal's size: on KEY_RESIZE, and also by asking it, since ncurses only learns of a
-        resize from SIGWINCH, which a process can be started without receiving."""
+        """Follow the terminal's size by asking it: ncurses believes LINES and COLUMNS over the terminal
+        when they are in the environment (a shell that exported them once), at start and on every resize."""
         import curses
 
         try:

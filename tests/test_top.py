@@ -359,9 +359,10 @@ def tmux_window(tmp_path: Path) -> Iterator[Callable[[str, int, int], Tmux]]:
     def start(script: str, width: int = 140, height: int = 30) -> Tmux:
         path = tmp_path / f"window{len(windows)}.sh"
         env = child_env({"NIXL_TELEMETRY_MP_STALE_TTL": str(TTL_S)})
-        # Not the size or kind of the terminal pytest runs in: curses would believe them over the window's.
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()
-                          if k.isidentifier() and k not in ("COLUMNS", "LINES", "TERM", "TMUX", "TMUX_PANE"))
+                          if k.isidentifier() and k not in ("TERM", "TMUX", "TMUX_PANE"))
+        # A size exported once by a shell, and stale: the view must follow the window's real size.
+        exports += "export COLUMNS=80 LINES=24\n"
         # As an interactive shell does, the script outlives a Ctrl-C meant for the program it runs (a trap with a
         # command, not '': an ignored SIGINT would be inherited by the program).
         path.write_text(f"{exports}trap : INT\ncd {shlex.quote(str(PROJECT_ROOT))}\n{script}\nsleep 600\n")
@@ -391,7 +392,9 @@ def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Pat
         lines = screen.splitlines()
         sender = [line for line in lines if line.startswith("sender ")]
         receiver = [line for line in lines if line.startswith("receiver ")]
-        return bool(sender and receiver) and "k" in sender[0] and "M" in receiver[0] and "waiting" not in lines[0]
+        wide = any(line.startswith("AGENT") and line.endswith("ERRORS") for line in lines)  # past column 80
+        return wide and bool(sender and receiver) and "k" in sender[0] and "M" in receiver[0] and \
+            "waiting" not in lines[0]
 
     screen = window.wait_for(rows_with_rates, "the ranks' rows with their rates were never drawn")
     assert "AGENT" in screen and "TOTAL" in screen and "sort: rank" in screen
