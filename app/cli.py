@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(never reaps)")
     top.add_argument("directory", nargs="?", help=f"the shared directory (default: ${DIR_ENV})")
     top.add_argument("--once", action="store_true", help="print one snapshot over --interval and exit")
-    top.add_argument("--json", action="store_true", help="that snapshot as a JSON list, one object per store")
+    top.add_argument("--json", action="store_true", help="one snapshot (as --once) as a JSON list of stores")
     top.add_argument("--interval", type=_INTERVAL, default=1.0, help="seconds per refresh (default 1)")
     top.add_argument("--ttl", type=_ttl_flag, help=f"seconds a departed rank stays published (default: ${TTL_ENV} "
                                                    "or 30, as the ranks read it)")

@@ -266,7 +266,7 @@ _LEFT = 5  # the first five columns are left-aligned words, the rest right-align
 
 
 def _cells(row: Row) -> tuple[str, ...]:
-    state = "live" if row.ttl_left_s is None else f"departed {row.ttl_left_s:.0f}s"
+    state = row.state if row.ttl_left_s is None else f"{row.state} {row.ttl_left_s:.0f}s"
     return (row.agent_name, str(row.pid), str(row.agent_instance), row.local_rank or "-", state,
             f"{row.seconds_since_update:.1f}", _si(row.tx_bytes_per_s), _si(row.rx_bytes_per_s),
             _si(row.tx_requests_per_s), _si(row.rx_requests_per_s), _duration_us(row.xfer_time_p50_us),
@@ -309,7 +309,7 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False) -> list[tupl
 
 # -- the command --------------------------------------------------------------
 
-def resolve_directory(given: str | None) -> Path:
+def _directory(given: str | None) -> Path:
     from app.cli import CliError
 
     text = given or os.environ.get(DIR_ENV, "")
@@ -322,7 +322,7 @@ def run(directory: str | None, once: bool, as_json: bool, interval: float, ttl: 
     """``python -m app top``; the arguments as parsed (``ttl`` None: from the environment, as ranks read it)."""
     from app.cli import CliError
 
-    sampler = Sampler(resolve_directory(directory), stale_ttl(os.environ.get(TTL_ENV)) if ttl is None else ttl)
+    sampler = Sampler(_directory(directory), stale_ttl(os.environ.get(TTL_ENV)) if ttl is None else ttl)
     # The collector's and reader's warnings describe the files it skips: they
     # are the view's own warning lines, and must not scribble over the screen.
     logging.getLogger("nixl_prometheus_mp").setLevel(logging.ERROR)
