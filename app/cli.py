@@ -1,4 +1,4 @@
-"""``python -m app`` / ``nixl-prometheus-mp``: demo, serve, inspect.
+"""``python -m app`` / ``nixl-prometheus-mp``: demo, serve, inspect, top.
 
 Errors are one line on stderr and a non-zero exit, never a traceback: the
 people running this are operators reading a terminal or a pod log.
@@ -370,6 +370,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- top ----------------------------------------------------------------------
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from app.top import run
+
+    return run(args.directory, args.once, args.json, args.interval, args.ttl)
+
+
+def _ttl_flag(text: str) -> float:
+    from app.config import stale_ttl
+
+    try:
+        return stale_ttl(text, "--ttl")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # -- entry point ------------------------------------------------------------
 
 def _bounded(kind: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], Any]:
@@ -393,6 +410,7 @@ _RANKS = _bounded(int, "a number of ranks >= 1", lambda v: v >= 1)
 _PORT = _bounded(int, "a port number 1..65535", lambda v: 1 <= v <= 65535)
 _RATE = _bounded(float, "a finite number of transfers per second > 0", lambda v: math.isfinite(v) and v > 0)
 _DURATION = _bounded(float, "a finite number of seconds >= 0", lambda v: math.isfinite(v) and v >= 0)
+_INTERVAL = _bounded(float, "a finite number of seconds > 0", lambda v: math.isfinite(v) and v > 0)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -419,6 +437,15 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("directory")
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
     inspect.set_defaults(func=cmd_inspect)
+    top = sub.add_parser("top", help="a live per-rank view of a directory: rates, transfer time p50/p99, errors "
+                                     "(never reaps)")
+    top.add_argument("directory", nargs="?", help=f"the shared directory (default: ${DIR_ENV})")
+    top.add_argument("--once", action="store_true", help="print one snapshot over --interval and exit")
+    top.add_argument("--json", action="store_true", help="one snapshot (as --once) as a JSON list of stores")
+    top.add_argument("--interval", type=_INTERVAL, default=1.0, help="seconds per refresh (default 1)")
+    top.add_argument("--ttl", type=_ttl_flag, help=f"seconds a departed rank stays published (default: ${TTL_ENV} "
+                                                   "or 30, as the ranks read it)")
+    top.set_defaults(func=cmd_top)
     return parser
 
 

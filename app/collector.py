@@ -169,10 +169,13 @@ _transient_log = _TransientLog()
 class Collector:
     """Reads a directory of stores into a Collection; reaps what is done."""
 
-    def __init__(self, directory: str | os.PathLike[str], stale_ttl_s: float) -> None:
+    def __init__(self, directory: str | os.PathLike[str], stale_ttl_s: float, reap: bool = True) -> None:
         self.directory = Path(directory)
         self.stale_ttl_s = stale_ttl_s
         self._ttl_ns = int(stale_ttl_s * 1e9)
+        # An onlooker (``python -m app top``) applies the same rules but changes nothing: what it would
+        # reap it lists as departed with no time left, for the owner to reap.
+        self.reap = reap
 
     def collect(self) -> Collection:
         result = Collection()
@@ -253,7 +256,8 @@ class Collector:
             log.warning("reaped %s: it is not a valid schema-1 store (%s) and no process holds it",
                         bad.path.name, bad.reason)
             return
-        message = f"{bad.path.name} is not a valid store ({bad.reason}) but a live process holds it"
+        held = " but a live process holds it" if alive else ""
+        message = f"{bad.path.name} is not a valid store ({bad.reason}){held}"
         _warner.warn(("invalid", str(bad.path)), "%s; it is skipped. Is a writer of another schema version "
                      "sharing the directory?", message)
         result.warnings.append({"kind": "invalid-store", "message": message, "details": {"file": str(bad.path)}})
@@ -284,8 +288,7 @@ class Collector:
                                 "details": {"file": str(bad.path)}})
         return None
 
-    @staticmethod
-    def _reap(path: Path, ino: int) -> bool:
+    def _reap(self, path: Path, ino: int) -> bool:
         """Unlink a departed store while holding its lock, if it is still ours to reap.
 
         The scan closed the store, so it is opened again: it must still be
@@ -295,6 +298,8 @@ class Collector:
         place.  Rare (once per departed store), so the system calls here are
         not worth the scanner's care about the GIL.
         """
+        if not self.reap:
+            return False
         fd = open_store(path)
         if isinstance(fd, Unreadable):
             return False  # gone, or replaced by something that is not ours: nothing to reap

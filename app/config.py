@@ -85,17 +85,18 @@ def _port(text: str | None) -> int:
     return port
 
 
-def _ttl(text: str | None) -> float:
+def stale_ttl(text: str | None, name: str = TTL_ENV) -> float:
+    """The stale TTL in seconds from ``text`` (unset or blank: the default); ``name`` is what errors call it."""
     if text is None or not text.strip():
         return DEFAULT_TTL_S
     try:
         ttl = float(text)
     except ValueError:
-        raise ConfigError(f"{TTL_ENV}={text!r} is not a number of seconds") from None
+        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
     if not math.isfinite(ttl) or ttl < 0:
-        raise ConfigError(f"{TTL_ENV}={text!r} must be a finite number of seconds >= 0")
+        raise ConfigError(f"{name}={text!r} must be a finite number of seconds >= 0")
     if ttl > MAX_TTL_S:
-        raise ConfigError(f"{TTL_ENV}={text!r} is too large: at most {MAX_TTL_S} seconds (about 292 years)")
+        raise ConfigError(f"{name}={text!r} is too large: at most {MAX_TTL_S} seconds (about 292 years)")
     return ttl
 
 
@@ -185,7 +186,7 @@ class Config:
             local=parse_flag(LOCAL_ENV, env.get(LOCAL_ENV)),
             rank_env=_rank_env_name(rank_env),
             local_rank=env.get(rank_env, "") if rank_env else "",
-            stale_ttl_s=_ttl(env.get(TTL_ENV)),
+            stale_ttl_s=stale_ttl(env.get(TTL_ENV)),
             buckets=buckets,
             enabled=_enabled(env.get(ENABLED_ENV)),
         )

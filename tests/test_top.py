@@ -1,0 +1,425 @@
+"""``python -m app top``: the figures of real ranks recording at known rates, the directory left as it was, bad
+input as one line, and the live view under a real terminal (tmux).
+
+Rates are checked with a tolerance derived from the interval: a rank paced at R transfers/s may run up to
+SLIP_S behind its schedule at either end of the interval (it catches up afterwards), so over an interval of I
+seconds its measured rate is R * (1 +- SLIP_S / I).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import (
+    DEADLINE_S,
+    PROJECT_ROOT,
+    START_DEADLINE_S,
+    RankProcess,
+    Reaper,
+    child_env,
+    free_port,
+    reaper_fixture,  # noqa: F401  (pytest fixture)
+    start_rank,
+    wait_until,
+)
+from support_forge import forge_store, store_bytes
+from support_nixl import nixl_required_fixture, start_cpp_ranks  # noqa: F401  (pytest fixture)
+from test_cli_input import one_line_error, run_module_as_nobody
+
+from app.collector import RankView
+from app.top import histogram_quantile, make_row, totals
+from store import DEFAULT_BUCKETS_US, EventType
+from store import layout as L
+from store.reader import Snapshot, decode
+
+INTERVAL_S = 2.0
+SLIP_S = 0.5
+TTL_S = 600  # longer than any test: a departed rank keeps its TTL for the whole test
+
+# A rank paced at argv[1] transfers/s of argv[2] bytes, TX when argv[3] == "tx" else RX; nine in ten transfers
+# take 30 us (the 25..50 bucket), one in ten 3000 us (2500..5000); every argv[4]-th transfer also records a
+# "backend" error (0: none). With argv[5] > 0 it records that many transfers, closes its Exporter and says "done"
+# (a departed rank); otherwise it records until killed.
+RANK_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from app import Exporter
+
+    rate, nbytes, tx, error_every, limit = (float(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "tx",
+                                            int(sys.argv[4]), int(sys.argv[5]))
+    with Exporter(os.environ["RANK_AGENT"]) as exp:
+        print("ready", flush=True)
+        start, i = time.monotonic(), 0
+        while not limit or i < limit:
+            i += 1
+            exp.record_transfer(3000 if i % 10 == 0 else 30, 5, nbytes, is_write=tx)
+            if error_every and i % error_every == 0:
+                exp.record_error("backend")
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+    print("done", flush=True)
+""")
+
+
+def start_paced_rank(reaper: Reaper, directory: Path, port: int, agent: str, local_rank: str, rate: float,
+                     nbytes: int, direction: str, error_every: int = 0, limit: int = 0) -> RankProcess:
+    env = {"NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+           "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "NIXL_PROMETHEUS_MP_SERVE": "thread", "RANK_AGENT": agent,
+           "LOCAL_RANK": local_rank}
+    rank = start_rank(reaper, RANK_SCRIPT, env, (str(rate), str(nbytes), direction, str(error_every), str(limit)))
+    assert rank.readline(START_DEADLINE_S) == "ready"
+    return rank
+
+
+def top(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app", "top", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env=child_env({"NIXL_TELEMETRY_MP_STALE_TTL": str(TTL_S), **(env or {})}))
+
+
+def top_json(directory: Path, interval: float = INTERVAL_S, **env: str) -> dict[str, dict[str, Any]]:
+    """One ``top --once --json`` snapshot, by agent name."""
+    done = top(str(directory), "--once", "--json", "--interval", str(interval), env=env)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    rows = json.loads(done.stdout)
+    return {row["agent_name"]: row for row in rows}
+
+
+def near(value: float, expected: float, interval: float = INTERVAL_S) -> bool:
+    return abs(value - expected) <= expected * SLIP_S / interval
+
+
+# -- the figures of real ranks ------------------------------------------------------------------------------
+
+
+def test_json_figures_of_ranks_recording_at_known_rates(tmp_dir: Path, reaper: Reaper) -> None:
+    port = free_port()
+    start_paced_rank(reaper, tmp_dir, port, "sender", "0", 50, 4096, "tx", error_every=5)
+    start_paced_rank(reaper, tmp_dir, port, "receiver", "1", 20, 1 << 20, "rx")
+    gone = start_paced_rank(reaper, tmp_dir, port, "gone", "2", 1000, 64, "tx", limit=5)
+    assert gone.readline(DEADLINE_S) == "done"
+    gone.proc.wait(timeout=DEADLINE_S)
+
+    rows = top_json(tmp_dir)
+    assert set(rows) == {"sender", "receiver", "gone"}
+    sender, receiver, departed = rows["sender"], rows["receiver"], rows["gone"]
+    required = {"pid", "agent_name", "agent_instance", "local_rank", "state", "seconds_since_update",
+                "tx_bytes_per_s", "rx_bytes_per_s", "tx_requests_per_s", "rx_requests_per_s", "xfer_time_p50_us",
+                "xfer_time_p99_us", "errors"}
+    assert all(required <= set(row) for row in rows.values())
+
+    assert (sender["state"], sender["local_rank"], sender["agent_instance"], sender["ttl_left_s"]) == \
+        ("live", "0", 0, None)
+    assert near(sender["tx_bytes_per_s"], 50 * 4096), sender
+    assert near(sender["tx_requests_per_s"], 50), sender
+    assert sender["rx_bytes_per_s"] == sender["rx_requests_per_s"] == 0
+    assert 25 < sender["xfer_time_p50_us"] <= 50 and 2500 < sender["xfer_time_p99_us"] <= 5000, sender
+    assert near(sender["errors"], 50 / 5 * INTERVAL_S), sender
+
+    assert receiver["local_rank"] == "1" and receiver["state"] == "live"
+    assert near(receiver["rx_bytes_per_s"], 20 * (1 << 20)), receiver
+    assert near(receiver["rx_requests_per_s"], 20), receiver
+    assert receiver["tx_bytes_per_s"] == 0 and receiver["errors"] == 0
+    assert 25 < receiver["xfer_time_p50_us"] <= 50 and 2500 < receiver["xfer_time_p99_us"] <= 5000, receiver
+
+    assert departed["state"] == "departed" and departed["pid"] == gone.pid
+    assert 0 < departed["ttl_left_s"] <= TTL_S and departed["seconds_since_update"] >= 0
+    assert departed["tx_bytes_per_s"] == departed["tx_requests_per_s"] == departed["errors"] == 0
+    assert departed["xfer_time_p50_us"] is None and departed["xfer_time_p99_us"] is None  # nothing observed
+
+
+def test_table_shows_every_rank_and_a_totals_line(tmp_dir: Path, reaper: Reaper) -> None:
+    port = free_port()
+    start_paced_rank(reaper, tmp_dir, port, "sender", "0", 50, 4096, "tx", error_every=5)
+    gone = start_paced_rank(reaper, tmp_dir, port, "gone", "1", 1000, 64, "tx", limit=3)
+    assert gone.readline(DEADLINE_S) == "done"
+    done = top(str(tmp_dir), "--once", "--interval", "1", "--ttl", "45")
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"{tmp_dir}: 1 live, 1 departed; over ")
+    assert lines[1].split()[:6] == ["AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)"]
+    sender = next(line for line in lines if line.startswith("sender"))
+    assert sender.split()[4] == "live"
+    departed = next(line for line in lines if line.startswith("gone")).split()
+    assert departed[4] == "departed" and 0 < int(departed[5].rstrip("s")) <= 45  # --ttl, not the variable's 600
+    assert lines[-1].startswith("TOTAL") and "1 live" in lines[-1]
+
+
+@pytest.mark.usefixtures("nixl_required")
+def test_reads_the_cpp_plugins_stores(tmp_dir: Path, reaper: Reaper) -> None:
+    (rank,) = start_cpp_ranks(reaper, tmp_dir, free_port(), ["cpp"], [{"LOCAL_RANK": "3"}])
+    rank.pump(size=4096, interval=0.05)
+    rows = top_json(tmp_dir)
+    tx, rx = rows["cpp-tx"], rows["cpp-rx"]
+    assert tx["state"] == rx["state"] == "live" and tx["pid"] == rank.pid and tx["local_rank"] == "3"
+    assert tx["tx_requests_per_s"] > 0 and tx["xfer_time_p50_us"] is not None
+    # Each transfer moves 4096 bytes; the two counters are read a few words apart, at most one transfer apart.
+    assert abs(tx["tx_bytes_per_s"] - 4096 * tx["tx_requests_per_s"]) <= 4096 / INTERVAL_S, tx
+    rank.kill()
+    rows = top_json(tmp_dir, interval=0.5)
+    assert rows["cpp-tx"]["state"] == "departed" and rows["cpp-tx"]["tx_requests_per_s"] == 0
+
+
+# -- the figures, from store contents ------------------------------------------------------------------------
+
+
+def snapshot(counters: dict[int, int], xfer_buckets: dict[int, int], bounds: tuple[float, ...] = DEFAULT_BUCKETS_US,
+             name: str = "nixl.1.1.0.mmap") -> Snapshot:
+    c = [counters.get(slot, 0) for slot in range(L.SLOT_COUNT)]
+    b = [0] * (L.SLOT_COUNT * L.BUCKET_SLOTS)
+    for bucket, count in xfer_buckets.items():
+        b[EventType.AGENT_XFER_TIME * L.BUCKET_SLOTS + bucket] = count
+    snap = decode(store_bytes(1, 0, "a", "h", "0", bounds, c, [0] * L.SLOT_COUNT, b, [0] * L.SLOT_COUNT),
+                  Path("/d") / name)
+    assert isinstance(snap, Snapshot)
+    return snap
+
+
+def test_histogram_quantile_interpolates_as_prometheus() -> None:
+    bounds = (10.0, 100.0, 1000.0)
+    assert histogram_quantile(0.5, bounds, (0, 4, 0, 0)) == 55.0  # halfway through (10, 100]
+    assert histogram_quantile(0.5, bounds, (2, 0, 0, 0)) == 5.0  # the first bucket starts at 0
+    assert histogram_quantile(0.99, bounds, (1, 0, 0, 9)) == 1000.0  # in +Inf: the highest finite bound
+    assert histogram_quantile(0.25, bounds, (1, 1, 1, 1)) == 10.0
+    assert histogram_quantile(0.5, bounds, (0, 0, 0, 0)) is None  # nothing observed
+    assert histogram_quantile(0.5, (), (3,)) is None  # no finite bucket
+
+
+def test_interval_figures_wrap_modulo_2_64_and_sum_every_error_status() -> None:
+    errors = {ev: 1 for ev in EventType if ev.name.startswith("AGENT_ERR_")}
+    before = snapshot({EventType.AGENT_TX_BYTES: 2**64 - 100, EventType.AGENT_ERR_BACKEND: 2**64 - 1},
+                      {3: 2**64 - 1})
+    after = snapshot({EventType.AGENT_TX_BYTES: 300, EventType.AGENT_TX_REQUESTS_NUM: 8, **errors,
+                      EventType.AGENT_ERR_BACKEND: 1}, {3: 3, 4: 1})
+    row = make_row(RankView(after, True, 0.0, None), before, 2.0)
+    assert row.tx_bytes_per_s == 200.0 and row.tx_requests_per_s == 4.0 and row.rx_bytes_per_s == 0.0
+    assert row.errors == 11 + 2  # eleven statuses once, and backend across its wrap
+    assert row.xfer_counts is not None and row.xfer_counts[3:5] == (4, 1)
+    assert 50 < (row.xfer_time_p50_us or 0) <= 100 and 100 < (row.xfer_time_p99_us or 0) <= 250
+
+
+def test_a_store_that_appeared_during_the_interval_has_counts_but_no_rates() -> None:
+    new = snapshot({EventType.AGENT_RX_BYTES: 500, EventType.AGENT_ERR_CANCELED: 2}, {0: 2})
+    row = make_row(RankView(new, True, 0.0, None), None, 1.0)
+    assert row.rx_bytes_per_s is None and row.tx_requests_per_s is None  # how long it existed is unknown
+    assert row.errors == 2 and row.xfer_time_p50_us == 5.0  # it started at zero: all it holds is new
+    first_look = make_row(RankView(new, True, 0.0, None), None, None)
+    assert first_look.errors is None and first_look.xfer_time_p99_us is None
+
+
+def test_totals_merge_histograms_only_across_one_set_of_bounds() -> None:
+    a = make_row(RankView(snapshot({EventType.AGENT_TX_BYTES: 10}, {0: 1}), True, 0.0, None),
+                 snapshot({}, {}), 1.0)
+    b = make_row(RankView(snapshot({EventType.AGENT_TX_BYTES: 30}, {1: 1}, name="nixl.2.1.0.mmap"), False, 1.0,
+                          5.0), snapshot({}, {}, name="nixl.2.1.0.mmap"), 1.0)
+    doc = totals([a, b])
+    assert (doc["live"], doc["departed"], doc["tx_bytes_per_s"], doc["errors"]) == (1, 1, 40.0, 0)
+    assert doc["xfer_time_p50_us"] == 10.0
+    other = make_row(RankView(snapshot({}, {0: 1}, bounds=(7.0,)), True, 0.0, None), snapshot({}, {}, (7.0,)), 1.0)
+    assert totals([a, other])["xfer_time_p99_us"] is None
+
+
+# -- an onlooker: the directory is left as it was ----------------------------------------------------------
+
+
+def directory_state(directory: Path) -> dict[str, Any]:
+    st = directory.stat()
+    files = {}
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        s = entry.stat(follow_symlinks=False)
+        files[entry.name] = (s.st_ino, s.st_mode, s.st_size, s.st_mtime_ns, s.st_ctime_ns,
+                             Path(entry.path).read_bytes() if entry.is_file(follow_symlinks=False) else None)
+    return {"dir": (st.st_mtime_ns, st.st_ctime_ns, st.st_mode), "files": files}
+
+
+def test_leaves_the_directory_unchanged_even_what_an_owner_would_reap(tmp_dir: Path, reaper: Reaper) -> None:
+    port = free_port()
+    gone = start_paced_rank(reaper, tmp_dir, port, "gone", "0", 1000, 64, "tx", limit=3)
+    assert gone.readline(DEADLINE_S) == "done"
+    gone.proc.wait(timeout=DEADLINE_S)
+    forge_store(tmp_dir, pid=11, agent_name="past-ttl", last_update=1)  # departed long ago
+    forge_store(tmp_dir, pid=12, agent_name="from-another-boot", last_update=2**63)  # stamped ahead of our clock
+    (tmp_dir / L.store_file_name(13, 1, 0)).write_bytes(b"\0" * 100)  # not a store, and nobody holds it
+    (tmp_dir / "notes.txt").write_text("junk")
+    before = directory_state(tmp_dir)
+
+    done = top(str(tmp_dir), "--once", "--json", "--interval", "0.5", env={"NIXL_TELEMETRY_MP_STALE_TTL": "0"})
+    assert done.returncode == 0, done.stderr
+    rows = {row["agent_name"]: row for row in json.loads(done.stdout)}
+    assert set(rows) == {"gone", "past-ttl", "from-another-boot"}
+    assert all(row["state"] == "departed" and row["ttl_left_s"] == 0 for row in rows.values())
+    assert "nixl.13.1.0.mmap is not a valid store" in done.stderr and "Traceback" not in done.stderr
+    assert top(str(tmp_dir), "--once", "--interval", "0.5", env={"NIXL_TELEMETRY_MP_STALE_TTL": "0"}).returncode == 0
+
+    assert directory_state(tmp_dir) == before  # nothing reaped, created (no owner lock file), or written
+
+
+# -- bad input: one line, never a traceback -----------------------------------------------------------------
+
+
+def test_a_missing_directory_is_one_line(tmp_path: Path) -> None:
+    one_line_error(top(str(tmp_path / "nope"), "--once"), 1, "cannot list", str(tmp_path / "nope"),
+                   "No such file or directory")
+    (tmp_path / "file").write_text("")
+    one_line_error(top(str(tmp_path / "file"), "--json"), 1, "cannot list", "Not a directory")
+
+
+def test_no_directory_given_nor_set_is_one_line() -> None:
+    one_line_error(top("--once"), 1, "NIXL_TELEMETRY_MULTIPROC_DIR")
+
+
+def test_the_directory_defaults_to_the_variable(tmp_dir: Path) -> None:
+    forge_store(tmp_dir, pid=21, agent_name="from-env")
+    done = top("--json", "--interval", "0.2", env={"NIXL_TELEMETRY_MULTIPROC_DIR": str(tmp_dir)})
+    assert done.returncode == 0 and [r["agent_name"] for r in json.loads(done.stdout)] == ["from-env"], done.stderr
+
+
+def test_an_empty_directory_or_one_of_junk_says_why(tmp_dir: Path) -> None:
+    one_line_error(top(str(tmp_dir), "--once", "--interval", "0.1"), 1, f"no stores in {tmp_dir}")
+    (tmp_dir / "nixl.mmap").write_text("x")
+    (tmp_dir / "core").write_bytes(os.urandom(64))
+    one_line_error(top(str(tmp_dir), "--json", "--interval", "0.1"), 1, "2 other files",
+                   "nixl.<pid>.<run_marker>.<instance>.mmap")
+    (tmp_dir / L.store_file_name(5, 5, 0)).write_bytes(b"junk")
+    one_line_error(top(str(tmp_dir), "--once", "--interval", "0.1"), 1, "no readable store",
+                   "nixl.5.5.0.mmap is not a valid store")
+
+
+@pytest.mark.parametrize("args", [("--interval", "0"), ("--interval", "nan"), ("--ttl", "-1"), ("--ttl", "x")])
+def test_bad_flags_are_one_line(tmp_dir: Path, args: tuple[str, ...]) -> None:
+    one_line_error(top(str(tmp_dir), "--once", *args), 2, args[0])
+
+
+def test_a_bad_ttl_variable_is_one_line(tmp_dir: Path) -> None:
+    one_line_error(top(str(tmp_dir), "--once", env={"NIXL_TELEMETRY_MP_STALE_TTL": "soon"}), 2,
+                   "NIXL_TELEMETRY_MP_STALE_TTL", "soon")
+
+
+def test_a_directory_this_user_cannot_read_is_one_line(root_owned_dir: Path, tmp_path: Path) -> None:
+    private = root_owned_dir / "private"
+    private.mkdir(mode=0o700)
+    forge_store(private, pid=31)
+    done = run_module_as_nobody("top", str(private), "--once", "--interval", "0.1", env=child_env(),
+                                tmp_path=tmp_path)
+    one_line_error(done, 1, "cannot list", str(private), "Permission denied")
+
+
+def test_the_live_view_needs_a_terminal(tmp_dir: Path) -> None:
+    forge_store(tmp_dir, pid=41)
+    one_line_error(top(str(tmp_dir)), 1, "needs a terminal", "--once")
+
+
+# -- the live view, under a real terminal -------------------------------------------------------------------
+
+
+class Tmux:
+    """A private tmux server (its own socket) running one window; killed, with what runs in it, on close."""
+
+    def __init__(self, command: str, width: int, height: int) -> None:
+        self.socket = f"nixl-top-{uuid.uuid4().hex[:12]}"
+        self.tmux("new-session", "-d", "-s", "top", "-x", str(width), "-y", str(height), command)
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, timeout=DEADLINE_S)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "top")
+
+    def wait_for(self, condition: Callable[[str], bool], what: str) -> str:
+        try:
+            return wait_until(lambda: (lambda text: text if condition(text) else None)(self.screen()),
+                              timeout=START_DEADLINE_S, interval=0.1)
+        except AssertionError:
+            raise AssertionError(f"{what}; the screen:\n{self.screen()}") from None
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=DEADLINE_S)
+
+
+@pytest.fixture
+def tmux_window(tmp_path: Path) -> Iterator[Callable[[str, int, int], Tmux]]:
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (.ci/run installs it)")
+    windows: list[Tmux] = []
+
+    def start(script: str, width: int = 140, height: int = 30) -> Tmux:
+        path = tmp_path / f"window{len(windows)}.sh"
+        env = child_env({"NIXL_TELEMETRY_MP_STALE_TTL": str(TTL_S)})
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()
+                          if k.isidentifier() and k not in ("TERM", "TMUX", "TMUX_PANE"))
+        # A size exported once by a shell, and stale: the view must follow the window's real size.
+        exports += "export COLUMNS=80 LINES=24\n"
+        # As an interactive shell does, the script outlives a Ctrl-C meant for the program it runs (a trap with a
+        # command, not '': an ignored SIGINT would be inherited by the program).
+        path.write_text(f"{exports}trap : INT\ncd {shlex.quote(str(PROJECT_ROOT))}\n{script}\nsleep 600\n")
+        windows.append(Tmux(f"sh {shlex.quote(str(path))}", width, height))
+        return windows[-1]
+
+    yield start
+    for window in windows:
+        window.close()
+
+
+def terminal_restored(screen: str, marker: str) -> bool:
+    """The program is gone from the screen, and the terminal is back in its usual cooked, echoing mode."""
+    stty = screen.split(marker, 1)[1].split()
+    return "AGENT" not in screen and "icanon" in stty and "echo" in stty
+
+
+def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Path, reaper: Reaper,
+                                                                    tmux_window: Callable[..., Tmux]) -> None:
+    port = free_port()
+    start_paced_rank(reaper, tmp_dir, port, "sender", "0", 50, 4096, "tx", error_every=5)
+    start_paced_rank(reaper, tmp_dir, port, "receiver", "1", 20, 1 << 20, "rx")
+    command = f"{shlex.quote(sys.executable)} -m app top {shlex.quote(str(tmp_dir))} --interval 0.5"
+    window = tmux_window(f"echo BEFORE\n{command}\necho QUIT=$?; stty -a\n{command}\necho INTERRUPTED=$?; stty -a")
+
+    def rows_with_rates(screen: str) -> bool:
+        lines = screen.splitlines()
+        sender = [line for line in lines if line.startswith("sender ")]
+        receiver = [line for line in lines if line.startswith("receiver ")]
+        wide = any(line.startswith("AGENT") and line.endswith("ERRORS") for line in lines)  # past column 80
+        return wide and bool(sender and receiver) and "k" in sender[0] and "M" in receiver[0] and \
+            "waiting" not in lines[0]
+
+    screen = window.wait_for(rows_with_rates, "the ranks' rows with their rates were never drawn")
+    assert "AGENT" in screen and "TOTAL" in screen and "sort: rank" in screen
+    window.tmux("send-keys", "-t", "top", "s")
+    window.wait_for(lambda s: "sort: tx" in s, "s did not change the sort")
+    window.tmux("resize-window", "-t", "top", "-x", "20", "-y", "4")  # too small for anything: must not crash
+    window.wait_for(lambda s: "more line" in s or s.strip().startswith(str(tmp_dir)[:10]), "narrow view not drawn")
+    window.tmux("resize-window", "-t", "top", "-x", "140", "-y", "30")
+    window.wait_for(rows_with_rates, "the view was not redrawn after growing back")
+
+    window.tmux("send-keys", "-t", "top", "q")
+    screen = window.wait_for(lambda s: "QUIT=" in s, "q did not quit")
+    assert "QUIT=0" in screen and "BEFORE" in screen and "Traceback" not in screen
+    assert terminal_restored(screen, "QUIT=0"), screen
+
+    window.wait_for(rows_with_rates, "the second view never drew the ranks")
+    window.tmux("send-keys", "-t", "top", "C-c")
+    screen = window.wait_for(lambda s: "INTERRUPTED=" in s, "Ctrl-C did not stop the view")
+    assert "INTERRUPTED=130" in screen and "Traceback" not in screen
+    assert terminal_restored(screen, "INTERRUPTED=130"), screen
+
+
+def test_live_view_of_an_empty_directory_says_why(tmp_dir: Path, tmux_window: Callable[..., Tmux]) -> None:
+    window = tmux_window(f"{shlex.quote(sys.executable)} -m app top {shlex.quote(str(tmp_dir))}\necho QUIT=$?")
+    window.wait_for(lambda s: f"no stores in {tmp_dir}" in s.replace("\n", ""), "the empty view does not say why")
+    window.tmux("send-keys", "-t", "top", "q")
+    window.wait_for(lambda s: "QUIT=0" in s, "q did not quit")
+    assert os.listdir(tmp_dir) == []  # looking never creates anything (no owner lock file)
