@@ -166,7 +166,7 @@ def _port_holders(port: int) -> str:
 
 def _check_port_free(port: int) -> None:
     """Refuse, naming the holder, a port another program already listens on."""
-    from app.endpoint import bind_listener
+    from app.server import bind_listener
 
     try:
         bind_listener("127.0.0.1", port).close()
@@ -280,7 +280,7 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
 # -- serve ------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.endpoint import bind_listener, serve_in_thread
+    from app.server import bind_listener, close_listener, serve_in_thread
     from app.standalone import build_app, hold_election, prepare_standalone, release_election
 
     config = prepare_standalone()
@@ -291,7 +291,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sock = bind_listener(config.host, config.port)
         except OSError as exc:
             raise CliError(f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}") from None
-        server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
+        try:
+            server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
+        finally:
+            close_listener(sock)  # the server serves its own duplicate
         log.info("serving %s on http://%s/metrics", config.directory, config.address)
         while not stop.wait(0.5) and thread.is_alive():
             pass

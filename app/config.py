@@ -29,6 +29,8 @@ TTL_ENV = "NIXL_TELEMETRY_MP_STALE_TTL"
 ENABLED_ENV = "NIXL_TELEMETRY_ENABLED_METRICS"
 ENABLE_ENV = "NIXL_TELEMETRY_ENABLE"
 EXPORTER_ENV = "NIXL_TELEMETRY_EXPORTER"
+SERVE_ENV = "NIXL_PROMETHEUS_MP_SERVE"
+SERVE_MODES = ("helper", "thread")  # the first is the default
 
 DEFAULT_PORT = 9090
 DEFAULT_TTL_S = 30.0
@@ -100,6 +102,15 @@ def stale_ttl(text: str | None, name: str = TTL_ENV) -> float:
     return ttl
 
 
+def _serve(text: str | None) -> str:
+    if text is None or text == "":
+        return SERVE_MODES[0]
+    if text not in SERVE_MODES:
+        raise ConfigError(f"{SERVE_ENV}={text!r} is not a serving mode: use helper (a process of its own serves the "
+                          "address, the default) or thread (a thread of the elected rank serves it)")
+    return text
+
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -157,6 +168,7 @@ class Config:
     stale_ttl_s: float = DEFAULT_TTL_S
     buckets: tuple[float, ...] = ()
     enabled: frozenset[EventType] = frozenset(EventType)
+    serve: str = SERVE_MODES[0]  # who serves an elected rank's address: its helper process, or a thread of its own
 
     @property
     def host(self) -> str:
@@ -189,6 +201,7 @@ class Config:
             stale_ttl_s=stale_ttl(env.get(TTL_ENV)),
             buckets=buckets,
             enabled=_enabled(env.get(ENABLED_ENV)),
+            serve=_serve(env.get(SERVE_ENV)),
         )
 
 

@@ -203,7 +203,7 @@ def _owner_info(config: Config) -> dict[str, Any]:
     election = _master.election
     return owner_doc(pid=_master.pid if _master.pid is not None else os.getpid(), agent_name=None,
                      address=config.address, mode="standalone", flock=election is not None and not election.problem,
-                     since=_master.since)
+                     since=_master.since, server_pid=os.getpid(), serving="gunicorn")
 
 
 def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
