@@ -231,6 +231,19 @@ class HelperSupervisor:
     # -- the supervising thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._supervise()
+        except Exception:  # a bug of ours must cost the helper only: the endpoint serves from its thread again
+            log.warning("the supervisor of the serving helper of %s failed; this process serves its telemetry "
+                        "endpoint from a thread from now on", self.spec.address, exc_info=True)
+            with self._lock:
+                child, self._child = self._child, None
+            if child is not None:
+                child.kill()
+            self.ready_pid = None
+            self._host.helper_gone(self)
+
+    def _supervise(self) -> None:
         backoff_s = 0.0
         while not self._stopping.is_set():
             child = self._spawn()
@@ -278,28 +291,29 @@ class HelperSupervisor:
         with self._host.helper_state(self) as state, holding_off_fork():
             if state is None:
                 return None  # the endpoint stopped serving meanwhile
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as exc:  # out of descriptors
+                self._cannot_start(exc)
+                return None
             fds = [state.listener_fd, theirs.fileno()] + ([] if state.lock_fd is None else [state.lock_fd])
             command = [sys.executable, "-m", "app", HELPER_COMMAND, "--for-pid", str(os.getpid()), "--address",
                        self.spec.address, "--directory", str(self.spec.directory), "--state",
                        json.dumps(_state_args(self.spec, state, theirs.fileno()), separators=(",", ":"))]
+            proc = None
             try:
                 proc = subprocess.Popen(command, cwd=_PACKAGE_ROOT, env=env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
-            except (OSError, subprocess.SubprocessError) as exc:
+                pidfd = os.pidfd_open(proc.pid)
+            except (OSError, subprocess.SubprocessError) as exc:  # no descriptors, processes or memory
                 ours.close()
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
                 self._cannot_start(exc)
                 return None
             finally:
                 theirs.close()  # the helper's end is the helper's alone: its death is then the rank's EOF
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except OSError as exc:
-                ours.close()
-                proc.kill()
-                proc.wait()
-                self._cannot_start(exc)
-                return None
             child = _Child(proc, pidfd, ours)
             with self._lock:
                 self._child = child
