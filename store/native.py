@@ -2,8 +2,8 @@
 
 Each speedup (``store/_*.c``) is optional and has a pure-Python twin with the
 same behaviour.  ``load`` returns the compiled module, or None where it was
-not built (no compiler) or where NIXL_PROMETHEUS_MP_PURE_PYTHON=1 forces the
-Python path (the test suite runs on both).
+not built (no compiler) or where NIXL_PROMETHEUS_MP_PURE_PYTHON (a yes/no word,
+store/flags.py) forces the Python path (the test suite runs on both).
 """
 
 from __future__ import annotations
@@ -14,14 +14,19 @@ import os
 from types import ModuleType
 from typing import Final
 
+from store.flags import parse_flag
+
 log = logging.getLogger("nixl_prometheus_mp.store")
 
 PURE_PYTHON_ENV: Final = "NIXL_PROMETHEUS_MP_PURE_PYTHON"
 
 
 def pure_python_forced() -> bool:
-    """True when NIXL_PROMETHEUS_MP_PURE_PYTHON asks for the Python path."""
-    return os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
+    """True when NIXL_PROMETHEUS_MP_PURE_PYTHON is a yes word; unset or empty is no.
+
+    Any other value is a ValueError naming it, not a guess: "false" and "no" once forced the Python path.
+    """
+    return parse_flag(PURE_PYTHON_ENV, os.environ.get(PURE_PYTHON_ENV) or None)
 
 
 def load(name: str) -> ModuleType | None:
