@@ -137,7 +137,7 @@ def hold_election(config: Config) -> Outcome:
             holder_pid = pid
         # The holder binds only after winning, so it may not answer yet: say so, then name it once it does.
         if not named:
-            holder, named = describe_holder(config, pid)
+            holder, named = describe_holder(config, holder_pid)
             if named or not logged:
                 logged = True
                 log.warning("%s holds the owner election of %s; the aggregator waits for the address (until "
