@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import logging
 import math
@@ -283,7 +284,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.server import bind_listener, close_listener, serve_in_thread
     from app.standalone import build_app, hold_election, prepare_standalone, release_election
 
-    config = prepare_standalone()
+    config = Config.from_env()
+    prepare_standalone(config)
     hold_election(config)
     stop = StopSignals()
     try:
@@ -303,6 +305,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         stop.close()
         release_election()
+    return 0
+
+
+# -- aggregate --------------------------------------------------------------
+
+AGGREGATE_COMMAND = "aggregate"
+AGGREGATOR_CONFIG, AGGREGATOR_APP = "python:app.gunicorn_conf", "app:wsgi"
+
+
+def cmd_aggregate(gunicorn_args: list[str]) -> int:
+    """``gunicorn -c python:app.gunicorn_conf [ARGS] app:wsgi``, with this installation's packages.
+
+    The gunicorn command puts its working directory first on sys.path before it imports the configuration
+    and the app, so an app/ or store.py there is imported instead of these. Run from this console script,
+    whose sys.path does not start with the working directory, app, store and election are already imported
+    when gunicorn looks them up: no working directory changes what runs.
+    """
+    from gunicorn.app.wsgiapp import WSGIApplication
+    from gunicorn.config import Config as GunicornConfig
+
+    prog = f"{PROG} {AGGREGATE_COMMAND}"
+    given = GunicornConfig(prog=prog).parser().parse_args(gunicorn_args)  # --help and bad options: gunicorn's
+    if given.config or given.args:  # a usage error, as argparse's are: one line, exit status 2
+        print(f"{PROG}: error: {prog} runs gunicorn -c {AGGREGATOR_CONFIG} [OPTIONS] {AGGREGATOR_APP}: give it "
+              f"gunicorn options only, not {'-c ' + given.config if given.config else ' '.join(given.args)}",
+              file=sys.stderr)
+        return 2
+    sys.argv = [prog, "-c", AGGREGATOR_CONFIG, *gunicorn_args, AGGREGATOR_APP]  # what gunicorn parses
+    WSGIApplication("%(prog)s [GUNICORN OPTIONS]", prog=prog).run()  # exits: gunicorn's master ends with sys.exit
     return 0
 
 
@@ -458,6 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     serve = sub.add_parser("serve", help=f"the standalone aggregator on werkzeug (configured by {DIR_ENV} etc.)")
     serve.set_defaults(func=cmd_serve)
+    # Listed for --help; main() hands every argument after it to gunicorn unparsed.
+    sub.add_parser(AGGREGATE_COMMAND, help=f"the standalone aggregator on gunicorn, from any working directory: "
+                                           f"gunicorn -c {AGGREGATOR_CONFIG} [GUNICORN OPTIONS] {AGGREGATOR_APP}",
+                   add_help=False)
     inspect = sub.add_parser("inspect", help="list every store in a directory (never reaps)")
     inspect.add_argument("directory")
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -486,14 +521,17 @@ def build_rank_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [RANK_COMMAND]:
-        args = build_rank_parser().parse_args(argv[1:])
+    run: Callable[[], int]
+    if argv[:1] == [AGGREGATE_COMMAND]:  # gunicorn's options and gunicorn's logging, not ours
+        run = functools.partial(cmd_aggregate, argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        args = (build_rank_parser().parse_args(argv[1:]) if argv[:1] == [RANK_COMMAND]
+                else build_parser().parse_args(argv))
+        run = functools.partial(args.func, args)
     try:
-        return int(args.func(args))
+        return int(run())
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

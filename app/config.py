@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from store import EventType, parse_buckets
+from store import EventType, flags, parse_buckets
 
 log = logging.getLogger("nixl_prometheus_mp")
 
@@ -39,11 +39,6 @@ DEFAULT_RANK_ENV = "LOCAL_RANK"
 # values cannot be represented, and nothing needs a TTL of centuries.
 MAX_TTL_S = (2**63 - 1) // 1_000_000_000
 EXPORTER_NAME = "prometheus_mp"
-# NIXL's own boolean words (configTraits<bool>), matched the way it matches them: whole value, any case, no
-# trimming. An empty or padded value is refused, as the C++ plug-in refuses it, so one environment never makes
-# C++ ranks fail while Python ranks start.
-_TRUE = frozenset({"y", "yes", "on", "1", "true", "enable"})
-_FALSE = frozenset({"n", "no", "off", "0", "false", "disable"})
 
 
 # The plug-in matches NIXL_TELEMETRY_ENABLED_METRICS with the C library's fnmatch(3) (flags 0: backslash escapes,
@@ -62,15 +57,10 @@ class ConfigError(ValueError):
 
 def parse_flag(name: str, text: str | None) -> bool:
     """False when the variable is unset; otherwise one of NIXL's yes/no words, in any case."""
-    if text is None:
-        return False
-    word = text.lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ConfigError(f"{name}={text!r} is not a yes/no word (use one of y, yes, on, 1, true, enable or "
-                      "n, no, off, 0, false, disable, in any case)")
+    try:
+        return flags.parse_flag(name, text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _port(text: str | None) -> int:

@@ -259,6 +259,14 @@ class ScrapeEndpoint:
                     BACKOFF_NS // 1_000_000_000)
                 return
             cause = "the port is in use by another program"
+        elif exc.errno == errno.EACCES:
+            # Not a service in the way: this process may not bind it, and freeing the port changes nothing.
+            log.warning(
+                "won the election for %s but cannot bind it: permission denied: ports below 1024 need root or "
+                "CAP_NET_BIND_SERVICE (or a lower net.ipv4.ip_unprivileged_port_start); grant one, or set "
+                "NIXL_TELEMETRY_PROMETHEUS_PORT to 1024 or above for every rank. The election is left for another "
+                "rank; retrying every %d s.", self.address, BACKOFF_NS // 1_000_000_000)
+            return
         else:
             cause = reason
         log.warning(

@@ -2,8 +2,8 @@
 
 Each speedup (``store/_*.c``) is optional and has a pure-Python twin with the
 same behaviour.  ``load`` returns the compiled module, or None where it was
-not built (no compiler) or where NIXL_PROMETHEUS_MP_PURE_PYTHON=1 forces the
-Python path (the test suite runs on both).
+not built (no compiler) or where NIXL_PROMETHEUS_MP_PURE_PYTHON (a yes/no word,
+store/flags.py) forces the Python path (the test suite runs on both).
 
 pip hides a build's warnings, so an install without a compiler looks like any
 other: a speedup that is missing although nobody asked for the Python path is
@@ -20,6 +20,8 @@ import threading
 from types import ModuleType
 from typing import Final
 
+from store.flags import parse_flag
+
 log = logging.getLogger("nixl_prometheus_mp.store")
 
 PURE_PYTHON_ENV: Final = "NIXL_PROMETHEUS_MP_PURE_PYTHON"
@@ -32,8 +34,11 @@ _warned = False
 
 
 def pure_python_forced() -> bool:
-    """True when NIXL_PROMETHEUS_MP_PURE_PYTHON asks for the Python path."""
-    return os.environ.get(PURE_PYTHON_ENV, "").strip() not in ("", "0")
+    """True when NIXL_PROMETHEUS_MP_PURE_PYTHON is a yes word; unset or empty is no.
+
+    Any other value is a ValueError naming it, not a guess: "false" and "no" once forced the Python path.
+    """
+    return parse_flag(PURE_PYTHON_ENV, os.environ.get(PURE_PYTHON_ENV) or None)
 
 
 def _import(name: str) -> ModuleType:

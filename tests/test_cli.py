@@ -195,6 +195,15 @@ def test_inspect_without_a_directory_is_one_line() -> None:
     assert_one_line_error(run_cli("inspect"), "directory")
 
 
+@pytest.mark.parametrize("extra", [["-c", "other_conf.py"], ["myproject:app"]], ids=["config", "app"])
+def test_aggregate_takes_gunicorn_options_only(extra: list[str]) -> None:
+    """``aggregate`` passes -c python:app.gunicorn_conf and app:wsgi itself: another of either is refused."""
+    done = run_cli("aggregate", "--log-level", "warning", *extra)
+    assert done.returncode == 2
+    assert_one_line_error(done, "aggregate runs gunicorn -c python:app.gunicorn_conf [OPTIONS] app:wsgi",
+                          f"give it gunicorn options only, not {' '.join(extra)}")
+
+
 def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the foreground group) stops the demo and its ranks, status 0, no traceback."""
     port = free_port()

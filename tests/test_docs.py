@@ -10,21 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from support_e2e import REPO, procfile_web_command
+from support_e2e import REPO, procfile_web_command, shell_commands
 
+from app import cli
 from store import layout
 from store.metrics import FAMILIES
 
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
-
-
-def shell_commands(markdown: str, heading: str) -> list[str]:
-    """The non-comment lines of the sh blocks under ``## heading``."""
-    section = markdown.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
-    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+OPERATIONS = REPO / "docs" / "operations.md"
 
 
 def test_readme_has_exactly_the_demo_and_the_test_commands() -> None:
@@ -204,3 +198,12 @@ def test_migration_pages_example_serves_nixls_series_beside_your_own(tmp_path: P
     assert "my_requests_served_total 1.0" in done.stdout, done.stdout
     assert re.search(r'^agent_tx_bytes_total\{[^}]*agent_name="agent-doc"[^}]*\} 4096\.0$', done.stdout, re.M), \
         done.stdout
+
+
+def test_operations_aggregate_command_is_the_procfiles_through_the_console_script() -> None:
+    """The command documented for a directory with its own app/ or store.py runs exactly the Procfile's web: line."""
+    (command,) = [c for c in shell_commands(OPERATIONS.read_text(), "The standalone aggregator (gunicorn)")
+                  if c.startswith(cli.PROG)]
+    assert shlex.split(command.split("#")[0]) == [cli.PROG, cli.AGGREGATE_COMMAND]
+    assert procfile_web_command() == ["gunicorn", "-c", cli.AGGREGATOR_CONFIG, cli.AGGREGATOR_APP]
+    assert f"gunicorn -c {cli.AGGREGATOR_CONFIG} [GUNICORN OPTIONS] {cli.AGGREGATOR_APP}" in command
