@@ -170,6 +170,7 @@ class BoundedServer(ThreadedWSGIServer):
         self._connections_lock = threading.Lock()
         self._stopping = threading.Event()
         self._retiring = False  # retire(): stop accepting, let the connections finish (a hand-over)
+        self._stopped = threading.Event()  # stop() was called
         self._accept_backoff_s = 0.0
         self._refusal_logged = False
         self.serve_thread: threading.Thread | None = None
@@ -278,6 +279,17 @@ class BoundedServer(ThreadedWSGIServer):
         if self.serve_thread is not None and self.serve_thread.is_alive():
             self.shutdown()
         close_listener(self.socket)
+        # The serving loop also cut connections past their deadline (a client trickling a byte now and then
+        # would hold its thread for ever): a thread of its own keeps doing that until the last one is done.
+        drain = threading.Thread(target=self._cut_overdue_until_idle, name=f"{self.serve_thread.name}-drain"
+                                 if self.serve_thread is not None else "nixl-metrics-drain", daemon=True)
+        with contextlib.suppress(RuntimeError):  # no thread: the connections' per-read timeout still holds
+            drain.start()
+            self.serve_thread = drain  # what stop() joins
+
+    def _cut_overdue_until_idle(self) -> None:
+        while not self._stopped.wait(_POLL_S) and self.busy():
+            self.service_actions()
 
     def busy(self) -> bool:
         """Whether a connection thread of this server still runs."""
@@ -291,6 +303,7 @@ class BoundedServer(ThreadedWSGIServer):
         collection can run an Exporter's finalizer there): neither is waited for by itself.
         """
         self._stopping.set()
+        self._stopped.set()
         self._retiring = False  # (a retired server's connections are cut now too)
         me = threading.current_thread()
         if me is self.serve_thread:

@@ -172,6 +172,15 @@ def try_scrape(port: int, timeout: float = 2.0) -> str | None:
     return response.text if response.status == 200 else None
 
 
+def wait_until_settled(port: int, environ: Mapping[str, str] | None = None, timeout: float = START_DEADLINE_S) -> None:
+    """Wait (bounded) until the owner on ``port`` serves the way it will go on serving: from its helper (unless
+    NIXL_PROMETHEUS_MP_SERVE=thread in ``environ``, default os.environ), whose start changes the owner's threads and
+    descriptors (a test counting them takes its baseline after this)."""
+    env = os.environ if environ is None else environ
+    final = "thread" if env.get(SERVE_ENV) == "thread" else "helper"
+    wait_until(lambda: healthz(port)["owner"]["serving"] == final, timeout, message=f"the owner serving from a {final}")
+
+
 def wait_for_metrics(port: int, timeout: float = DEADLINE_S) -> str:
     """Wait (bounded) until /metrics answers 200 on 127.0.0.1:port; its body."""
     return wait_until(lambda: try_scrape(port), timeout, message=f"/metrics answering on port {port}")

@@ -35,6 +35,7 @@ from support import (
     start_rank,
     wait_for_metrics,
     wait_until,
+    wait_until_settled,
 )
 from support import reaper_fixture as reaper  # noqa: F401  (pytest fixture)
 from support_reliability import lock_is_free
@@ -419,6 +420,7 @@ def test_dropped_exporter_is_released_like_close(tmp_dir, lock_probe):
     env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")
     with Exporter("owner", env) as owner:
         assert owner.serving
+        wait_until_settled(port, env)
         baseline_fds, baseline_threads = fd_count(), {t.ident for t in threading.enumerate()}
 
         writer = Exporter("dropped-writer", env)

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from support import can_bind, exporter_env, free_port, http_request, metrics_url, wait_until
+from support import can_bind, exporter_env, free_port, http_request, metrics_url, wait_until, wait_until_settled
 from support_reliability import lock_is_free
 
 from app import Exporter
@@ -58,6 +58,7 @@ def test_many_exporter_lifetimes_leak_no_descriptor_nor_thread(tmp_dir):
 
     with Exporter("holder", env) as holder:  # now 200 writer-only lifetimes beside a serving owner
         assert holder.serving
+        wait_until_settled(port, env)
         fds, threads = fd_count(), threading.active_count()
         for cycle in range(200):
             with Exporter(f"writer-{cycle}", env) as exp:
