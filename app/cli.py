@@ -240,7 +240,7 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
     # before any directory is created (the temporary one has no name yet).
     Config.from_env({**env, DIR_ENV: str(chosen or tempfile.gettempdir())})
     if chosen:
-        prepare_directory(chosen)
+        prepare_directory(chosen, "--dir")  # the user named the directory with the flag, not the variable
     directory = chosen or Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
     env[DIR_ENV] = str(directory)
     procs: list[subprocess.Popen[bytes]] = []
