@@ -425,6 +425,43 @@ def test_dashboard_queries_parse(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def expand_grafana(expr: str) -> str:
-    """A dashboard query with Grafana's variables replaced by what Grafana would send."""
-    return expr.replace("$__rate_interval", "1m").replace("$job", ".+")
+def job_variable() -> dict[str, Any]:
+    (var,) = [v for v in dashboard()["templating"]["list"] if v["name"] == "job"]
+    return var
+
+
+def grafana_all(var: dict[str, Any], values: list[str]) -> str:
+    """What Grafana's Prometheus data source puts for a multi-value variable set to All, in a regex matcher.
+
+    Its custom all value if it has one, else the values its query found,
+    regex-escaped inside a PromQL string and joined as an alternation (one
+    value stands alone).
+    """
+    if var.get("allValue"):
+        return str(var["allValue"])
+    escaped = [re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(), v.replace("\\", "\\\\\\\\"))
+               for v in values]
+    return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+
+def expand_grafana(expr: str, jobs: tuple[str, ...] = ("nixl",), rate_interval: str = "1m") -> str:
+    """A dashboard query as Grafana sends it with the job variable at its default, All (of ``jobs``)."""
+    return expr.replace("$__rate_interval", rate_interval).replace("$job", grafana_all(job_variable(), list(jobs)))
+
+
+def test_grafana_all_matches_only_the_jobs_found() -> None:
+    var = {"name": "job", "includeAll": True, "multi": True, "allValue": None}
+    assert grafana_all(var, ["nixl"]) == "nixl"
+    assert grafana_all(var, ["nixl", "ml/nixl-ranks", "a.b"]) == "(nixl|ml/nixl-ranks|a\\\\.b)"
+    assert grafana_all({**var, "allValue": ".+"}, ["nixl"]) == ".+"
+
+
+def test_job_variable_defaults_to_the_nixl_jobs_only() -> None:
+    """All once sent ".+", so "Scrape targets up" counted every target of the Prometheus (3 where NIXL had 1)."""
+    var = job_variable()
+    assert var["includeAll"] is True and var["current"] in ({}, {"text": "All", "value": "$__all"})
+    assert not var.get("allValue"), "a custom all value matches jobs the variable's query never found"
+    match = re.fullmatch(r"label_values\((\w+), job\)", var["query"]["query"])
+    assert match and match.group(1) in known_metric_names() - {"up"}, var["query"]  # a metric only NIXL exports
+    ups = [e for e in dashboard_exprs() if "up" in metric_names(e)]
+    assert ups and all(re.findall(r"\bup\{([^}]*)\}", e) == ['job=~"$job"'] for e in ups), ups
