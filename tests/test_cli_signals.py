@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from support_e2e import children_of, free_port, pids_alive, rank_env, reaper, wait_until
+from support_e2e import Proc, Reaper, children_of, free_port, pids_alive, rank_env, reaper, wait_until
 
 CLI = [sys.executable, "-m", "app"]
 TRIALS = 24
@@ -106,13 +106,19 @@ def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nixl-metrics-demo-")] == []
 
 
+def serving_demo(r: Reaper, tmp_path: Path, ranks: int) -> Proc:
+    """A demo of ``ranks`` ranks, its temporary directory in ``tmp_path``, once a rank serves."""
+    port = free_port()
+    demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--rate", "500", "--port", str(port)],
+                   rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
+    demo.wait_line(lambda line: "ranks recording into" in line, 30)
+    return demo
+
+
 def test_ranks_die_with_a_demo_killed_outright(tmp_path: Path) -> None:
     """SIGKILL cannot be forwarded: the ranks asked the kernel to end them with their parent."""
-    port = free_port()
     with reaper() as r:
-        demo = r.start([*CLI, "demo", "--ranks", "3", "--rate", "500", "--port", str(port)],
-                       rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
-        demo.wait_line(lambda line: "ranks recording into" in line, 30)
+        demo = serving_demo(r, tmp_path, ranks=3)
         ranks = children_of(demo.pid)
         assert len(ranks) == 3, ranks
         os.kill(demo.pid, signal.SIGKILL)
@@ -131,19 +137,14 @@ def test_serve_stops_on_sigterm_sigint_and_sighup(tmp_path: Path) -> None:
             assert "Traceback" not in serve.output
 
 
-
-
 def demo_directories(tmp: Path) -> list[str]:
     return [p.name for p in tmp.iterdir() if p.name.startswith("nixl-metrics-demo-")]
 
 
 def test_sighup_to_the_job_stops_the_demo_and_removes_its_directory(tmp_path: Path) -> None:
     """What a shell does to its jobs when its terminal closes; the default action left four stores and a lock."""
-    port = free_port()
     with reaper() as r:
-        demo = r.start([*CLI, "demo", "--ranks", "4", "--rate", "500", "--port", str(port)],
-                       rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
-        demo.wait_line(lambda line: "ranks recording into" in line, 30)
+        demo = serving_demo(r, tmp_path, ranks=4)
         assert len(demo_directories(tmp_path)) == 1
         demo.killpg(signal.SIGHUP)  # the demo and its ranks: one process group
         assert demo.popen.wait(timeout=STOP_BOUND_S) == 0, demo.output
