@@ -2,13 +2,14 @@
 
 Every extension here has a pure-Python twin and is optional: where no C
 compiler (or no Python headers) is available the build warns and the package
-installs without it, only slower.  Setting NIXL_PROMETHEUS_MP_PURE_PYTHON=1
-at build time skips the extensions altogether.
+installs without it, only slower.  NIXL_PROMETHEUS_MP_PURE_PYTHON=1 (any of
+NIXL's yes words) at build time skips the extensions altogether.
 """
 
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -33,8 +34,19 @@ class OptionalBuildExt(build_ext):
             print(f"WARNING: {ext.name} was not built ({exc}); its pure-Python twin is used", file=sys.stderr)
 
 
+def pure_python() -> bool:
+    """NIXL_PROMETHEUS_MP_PURE_PYTHON read as the package reads it at run time (store/native.py)."""
+    # By path: importing the store package would import the very modules being built.
+    parse_flag = runpy.run_path(str(Path("store") / "flags.py"))["parse_flag"]
+    name = "NIXL_PROMETHEUS_MP_PURE_PYTHON"
+    try:
+        return bool(parse_flag(name, os.environ.get(name) or None))
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+
+
 def extensions() -> list[Extension]:
-    if os.environ.get("NIXL_PROMETHEUS_MP_PURE_PYTHON", "") not in ("", "0"):
+    if pure_python():
         return []
     return [Extension(f"store.{source.stem}", [str(source)], extra_compile_args=["-O2", "-std=c11"])
             for source in sorted(Path("store").glob("_*.c"))]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import logging
 import math
@@ -29,8 +30,8 @@ from typing import Any, NoReturn
 
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, ConfigError, prepare_directory
-from store import EventType
-from store.layout import STORE_PREFIX, STORE_SUFFIX
+from store import EventType, native
+from store.layout import STORE_PREFIX, STORE_SUFFIX, is_store_name
 from store.reader import Snapshot, Unreadable, open_store, probe_alive, read_fd
 
 log = logging.getLogger("nixl_prometheus_mp.cli")
@@ -222,7 +223,7 @@ def _port_holders(port: int) -> str:
 
 def _check_port_free(port: int) -> None:
     """Refuse, naming the holder, a port another program already listens on."""
-    from app.endpoint import bind_listener
+    from app.server import bind_listener
 
     try:
         bind_listener("127.0.0.1", port).close()
@@ -340,10 +341,11 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
 # -- serve ------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.endpoint import bind_listener, serve_in_thread
+    from app.server import bind_listener, close_listener, serve_in_thread
     from app.standalone import build_app, hold_election, prepare_standalone, release_election
 
-    config = prepare_standalone()
+    config = Config.from_env()
+    prepare_standalone(config)
     hold_election(config)
     stop = StopSignals()
     try:
@@ -351,7 +353,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sock = bind_listener(config.host, config.port)
         except OSError as exc:
             raise CliError(f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}") from None
-        server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
+        try:
+            server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
+        finally:
+            close_listener(sock)  # the server serves its own duplicate
         log.info("serving %s on http://%s/metrics", config.directory, config.address)
         while not stop.wait(0.5) and thread.is_alive():
             pass
@@ -363,14 +368,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- aggregate --------------------------------------------------------------
+
+AGGREGATE_COMMAND = "aggregate"
+AGGREGATOR_CONFIG, AGGREGATOR_APP = "python:app.gunicorn_conf", "app:wsgi"
+
+
+def cmd_aggregate(gunicorn_args: list[str]) -> int:
+    """``gunicorn -c python:app.gunicorn_conf [ARGS] app:wsgi``, with this installation's packages.
+
+    The gunicorn command puts its working directory first on sys.path before it imports the configuration
+    and the app, so an app/ or store.py there is imported instead of these. Run from this console script,
+    whose sys.path does not start with the working directory, app, store and election are already imported
+    when gunicorn looks them up: no working directory changes what runs.
+    """
+    from gunicorn.app.wsgiapp import WSGIApplication
+    from gunicorn.config import Config as GunicornConfig
+
+    prog = f"{PROG} {AGGREGATE_COMMAND}"
+    given = GunicornConfig(prog=prog).parser().parse_args(gunicorn_args)  # --help and bad options: gunicorn's
+    if given.config or given.args:  # a usage error, as argparse's are: one line, exit status 2
+        print(f"{PROG}: error: {prog} runs gunicorn -c {AGGREGATOR_CONFIG} [OPTIONS] {AGGREGATOR_APP}: give it "
+              f"gunicorn options only, not {'-c ' + given.config if given.config else ' '.join(given.args)}",
+              file=sys.stderr)
+        return 2
+    sys.argv = [prog, "-c", AGGREGATOR_CONFIG, *gunicorn_args, AGGREGATOR_APP]  # what gunicorn parses
+    WSGIApplication("%(prog)s [GUNICORN OPTIONS]", prog=prog).run()  # exits: gunicorn's master ends with sys.exit
+    return 0
+
+
 # -- inspect ----------------------------------------------------------------
 
-def _inspect_rows(directory: Path) -> list[dict[str, Any]]:
-    """Every store, read without ever reaping or locking for long."""
+def _store_like_names(directory: Path) -> tuple[list[str], list[str]]:
+    """The directory's store names, and the names that only look like one (``nixl.*.mmap``, never opened)."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith(STORE_PREFIX) and n.endswith(STORE_SUFFIX))
     except OSError as exc:
         raise CliError(f"cannot list {directory}: {os.strerror(exc.errno or 0)}") from None
+    return [n for n in names if is_store_name(n)], [n for n in names if not is_store_name(n)]
+
+
+def _inspect_rows(directory: Path, names: list[str]) -> list[dict[str, Any]]:
+    """Every store, read without ever reaping or locking for long."""
     now = time.monotonic_ns()
     rows: list[dict[str, Any]] = []
     for name in names:
@@ -405,8 +444,18 @@ def _print_table(table: list[tuple[str, ...]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
+def _speedups_line() -> str:
+    """Which path this installation's hot paths take (as /healthz's ``speedups`` says for the serving process)."""
+    status = native.status()
+    forced = f" ({native.PURE_PYTHON_ENV} forces the Python path)" if status.pop("pure_python_forced") else ""
+    paths = ", ".join(f"{name} {path}" for name, path in status.items())
+    return f"speedups of this installation (c or python): {paths}{forced}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    rows = _inspect_rows(Path(args.directory))
+    directory = Path(args.directory)
+    stores, lookalikes = _store_like_names(directory)
+    rows = _inspect_rows(directory, stores)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -427,6 +476,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_table(invalid)
     if not rows:
         print(f"(no stores in {args.directory})")
+    if lookalikes:
+        # Readers only ever open names that parse: saying "too small" here would claim this file was read.
+        print()
+        print("NOT A STORE (not named nixl.<pid>.<run_marker>.<instance>.mmap: never read nor reaped)")
+        print("\n".join(lookalikes))
+    print()
+    print(_speedups_line())
     return 0
 
 
@@ -493,6 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     serve = sub.add_parser("serve", help=f"the standalone aggregator on werkzeug (configured by {DIR_ENV} etc.)")
     serve.set_defaults(func=cmd_serve)
+    # Listed for --help; main() hands every argument after it to gunicorn unparsed.
+    sub.add_parser(AGGREGATE_COMMAND, help=f"the standalone aggregator on gunicorn, from any working directory: "
+                                           f"gunicorn -c {AGGREGATOR_CONFIG} [GUNICORN OPTIONS] {AGGREGATOR_APP}",
+                   add_help=False)
     inspect = sub.add_parser("inspect", help="list every store in a directory (never reaps)")
     inspect.add_argument("directory")
     inspect.add_argument("--json", action="store_true", help="JSON instead of a table")
@@ -521,14 +581,17 @@ def build_rank_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [RANK_COMMAND]:
-        args = build_rank_parser().parse_args(argv[1:])
+    run: Callable[[], int]
+    if argv[:1] == [AGGREGATE_COMMAND]:  # gunicorn's options and gunicorn's logging, not ours
+        run = functools.partial(cmd_aggregate, argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        args = (build_rank_parser().parse_args(argv[1:]) if argv[:1] == [RANK_COMMAND]
+                else build_parser().parse_args(argv))
+        run = functools.partial(args.func, args)
     try:
-        return int(args.func(args))
+        return int(run())
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from store import EventType, parse_buckets
+from store import EventType, flags, parse_buckets
 
 log = logging.getLogger("nixl_prometheus_mp")
 
@@ -29,6 +29,8 @@ TTL_ENV = "NIXL_TELEMETRY_MP_STALE_TTL"
 ENABLED_ENV = "NIXL_TELEMETRY_ENABLED_METRICS"
 ENABLE_ENV = "NIXL_TELEMETRY_ENABLE"
 EXPORTER_ENV = "NIXL_TELEMETRY_EXPORTER"
+SERVE_ENV = "NIXL_PROMETHEUS_MP_SERVE"
+SERVE_MODES = ("helper", "thread")  # the first is the default
 
 DEFAULT_PORT = 9090
 DEFAULT_TTL_S = 30.0
@@ -37,11 +39,6 @@ DEFAULT_RANK_ENV = "LOCAL_RANK"
 # values cannot be represented, and nothing needs a TTL of centuries.
 MAX_TTL_S = (2**63 - 1) // 1_000_000_000
 EXPORTER_NAME = "prometheus_mp"
-# NIXL's own boolean words (configTraits<bool>), matched the way it matches them: whole value, any case, no
-# trimming. An empty or padded value is refused, as the C++ plug-in refuses it, so one environment never makes
-# C++ ranks fail while Python ranks start.
-_TRUE = frozenset({"y", "yes", "on", "1", "true", "enable"})
-_FALSE = frozenset({"n", "no", "off", "0", "false", "disable"})
 
 
 # The plug-in matches NIXL_TELEMETRY_ENABLED_METRICS with the C library's fnmatch(3) (flags 0: backslash escapes,
@@ -60,15 +57,10 @@ class ConfigError(ValueError):
 
 def parse_flag(name: str, text: str | None) -> bool:
     """False when the variable is unset; otherwise one of NIXL's yes/no words, in any case."""
-    if text is None:
-        return False
-    word = text.lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ConfigError(f"{name}={text!r} is not a yes/no word (use one of y, yes, on, 1, true, enable or "
-                      "n, no, off, 0, false, disable, in any case)")
+    try:
+        return flags.parse_flag(name, text)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _port(text: str | None) -> int:
@@ -98,6 +90,15 @@ def stale_ttl(text: str | None, name: str = TTL_ENV) -> float:
     if ttl > MAX_TTL_S:
         raise ConfigError(f"{name}={text!r} is too large: at most {MAX_TTL_S} seconds (about 292 years)")
     return ttl
+
+
+def _serve(text: str | None) -> str:
+    if text is None or text == "":
+        return SERVE_MODES[0]
+    if text not in SERVE_MODES:
+        raise ConfigError(f"{SERVE_ENV}={text!r} is not a serving mode: use helper (a process of its own serves the "
+                          "address, the default) or thread (a thread of the elected rank serves it)")
+    return text
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -157,6 +158,7 @@ class Config:
     stale_ttl_s: float = DEFAULT_TTL_S
     buckets: tuple[float, ...] = ()
     enabled: frozenset[EventType] = frozenset(EventType)
+    serve: str = SERVE_MODES[0]  # who serves an elected rank's address: its helper process, or a thread of its own
 
     @property
     def host(self) -> str:
@@ -189,6 +191,7 @@ class Config:
             stale_ttl_s=stale_ttl(env.get(TTL_ENV)),
             buckets=buckets,
             enabled=_enabled(env.get(ENABLED_ENV)),
+            serve=_serve(env.get(SERVE_ENV)),
         )
 
 

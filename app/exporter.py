@@ -34,6 +34,7 @@ from app.config import (
     unwritable_directory,
 )
 from app.endpoint import BACKOFF_NS, CLOSE_WAIT_S, NEVER, ScrapeEndpoint
+from app.helper import HelperSpec
 from app.recording import Recording
 from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, address_is_held, held_addresses_except
@@ -137,7 +138,9 @@ def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, Ow
         owners.poll()
 
     app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings, on_scrape=on_scrape)
-    endpoint = ScrapeEndpoint(election, config.host, config.port, app)
+    helper = None if config.serve == "thread" else HelperSpec(config.directory, config.stale_ttl_s, config.address,
+                                                              agent_name)
+    endpoint = ScrapeEndpoint(election, config.host, config.port, app, helper)
     return endpoint, owners
 
 

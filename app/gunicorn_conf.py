@@ -3,21 +3,26 @@
 Run it from any directory, installed or from a checkout::
 
     gunicorn -c python:app.gunicorn_conf app:wsgi
+    nixl-prometheus-mp aggregate        # the same, whatever the working directory holds
 
 It binds the address the ranks are configured with and holds that address's
 owner election in the master (the hooks below); the workers only serve.
 A configuration error stops the start with one line naming the variable:
-gunicorn lets SystemExit through its config loading, and prints a traceback
-for anything else.
+gunicorn lets SystemExit through its config loading and its on_starting
+hook, and prints a traceback for anything else.
 """
 
 import logging
 import os
 import sys
+from typing import NoReturn
 
-from app.config import ConfigError
+from gunicorn.glogging import Logger
+
+from app.config import Config, ConfigError
 from app.standalone import (
     gunicorn_counts,
+    gunicorn_overrides,
     hold_election,
     prepare_standalone,
     refuse_reexec,
@@ -25,21 +30,27 @@ from app.standalone import (
     worker_forked,
 )
 
-if not logging.getLogger("nixl_prometheus_mp").handlers:  # our log lines, formatted like gunicorn's
+_log = logging.getLogger("nixl_prometheus_mp")
+if not _log.handlers:  # our log lines, formatted like gunicorn's
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s",
                                             "%Y-%m-%d %H:%M:%S %z"))
-    logging.getLogger("nixl_prometheus_mp").addHandler(_handler)
-    logging.getLogger("nixl_prometheus_mp").setLevel(logging.INFO)
+    _log.addHandler(_handler)
+    _log.setLevel(logging.INFO)  # until on_starting knows gunicorn's --log-level
+
+
+def _refuse(problem: object) -> NoReturn:
+    print(f"nixl-prometheus-mp: error: {problem}", file=sys.stderr)
+    raise SystemExit(1)
+
 
 try:
     workers, threads = gunicorn_counts()
-    _config = prepare_standalone()
+    _config = Config.from_env()
 except ConfigError as _exc:
-    print(f"nixl-prometheus-mp: error: {_exc}", file=sys.stderr)
-    raise SystemExit(1) from None
+    _refuse(_exc)
 
-bind = [f"{_config.host}:{_config.port}"]
+bind = [_config.address]
 worker_class = "gthread"
 timeout = 30
 graceful_timeout = 5
@@ -53,6 +64,15 @@ if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
 
 
 def on_starting(server):
+    # gunicorn applies its command line after this module: only now are its final settings known.
+    problem = gunicorn_overrides(server.cfg, _config, workers, threads)
+    if problem:
+        _refuse(problem)
+    _log.setLevel(Logger.LOG_LEVELS.get(server.cfg.loglevel.lower(), logging.INFO))  # gunicorn's own mapping
+    try:
+        prepare_standalone(_config)
+    except ConfigError as exc:
+        _refuse(exc)
     # Before gunicorn binds: the election, not the bind, decides who serves.
     try:
         hold_election(_config)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from app.collector import Collector
-from app.config import Config, ConfigError, prepare_directory
+from app.config import LOCAL_ENV, PORT_ENV, Config, ConfigError, prepare_directory
 from app.endpoint import RETRY_NS
 from app.exporter import OwnerWatch, health_warnings
 from app.web import MetricsApp, owner_doc
@@ -77,17 +77,45 @@ def gunicorn_counts(environ: Mapping[str, str] | None = None) -> tuple[int, int]
     return counts[0], counts[1]
 
 
-def prepare_standalone(environ: Mapping[str, str] | None = None) -> Config:
-    """The aggregator's configuration, with the directory created 0700 if missing.
+def prepare_standalone(config: Config) -> None:
+    """Create the aggregator's directory 0700 if missing; warn about an existing one that is not private.
 
     The master elects before any rank may have created the directory (a
     sidecar usually starts first): without it, the lock file could not be
     opened and the election would fall back to the bind.
     """
-    config = Config.from_env(environ)
     for problem in prepare_directory(config.directory):
         log.warning("%s", problem)
-    return config
+
+
+def gunicorn_overrides(cfg: Any, config: Config, workers: int, threads: int) -> str | None:
+    """Why gunicorn's final settings (``cfg``: its command line and GUNICORN_CMD_ARGS applied) cannot run.
+
+    app/gunicorn_conf.py derives these from the ranks' environment, and the
+    master holds the election of ``config.address``: another bind would
+    serve an address nobody elects for while its ranks wait for an owner that
+    never serves; --reuse-port lets another server share the port; 0 workers
+    hold the election and serve nothing.
+    """
+    (workers_env, _, most_workers), (threads_env, _, most_threads) = _COUNTS
+    ours: dict[str, tuple[object, str, str]] = {  # setting: (what it must be, why, what to set instead)
+        "bind": ([config.address], f"the aggregator serves the address its ranks elect an owner for, "
+                                   f"{config.address}", f"{PORT_ENV} and {LOCAL_ENV}"),
+        "workers": (workers, f"the aggregator takes its workers from {workers_env} (now {workers}, 1..{most_workers})",
+                    workers_env),
+        "threads": (threads, f"the aggregator takes its threads from {threads_env} (now {threads}, 1..{most_threads})",
+                    threads_env),
+        "reuse_port": (False, f"it would let another server share {config.address} and answer its scrapes without "
+                              "holding the owner election", ""),
+    }
+    for name, (wanted, why, instead) in ours.items():
+        value = getattr(cfg, name)
+        if value != wanted:
+            flag = cfg.settings[name].cli[-1]
+            shown = "" if isinstance(value, bool) else f" {','.join(value) if isinstance(value, list) else value}"
+            return (f"gunicorn's {flag}{shown} (its command line or GUNICORN_CMD_ARGS) is refused: {why}; drop {flag}"
+                    + (f" and set {instead}" if instead else ""))
+    return None
 
 
 def hold_election(config: Config) -> Outcome:
@@ -95,14 +123,21 @@ def hold_election(config: Config) -> Outcome:
 
     While another process holds the election (a rank serving in-process,
     another aggregator), the aggregator waits rather than fight it for the
-    port, and names it.
+    port, and names it: again whenever another process takes the address over.
     """
     election = OwnerElection(config.directory, config.address)
+    lock_path = config.directory / lock_file_name(config.address)
+    holder_pid: int | None = None
     logged = named = False
     while (outcome := election.try_win()) is Outcome.LOST:
+        pid = lock_holder_pid(lock_path)
+        if pid is not None and pid != holder_pid:  # None: between two holders, or in another pid namespace
+            if holder_pid is not None:
+                logged = named = False  # a new holder: say who it is
+            holder_pid = pid
         # The holder binds only after winning, so it may not answer yet: say so, then name it once it does.
         if not named:
-            holder, named = describe_holder(config)
+            holder, named = describe_holder(config, holder_pid)
             if named or not logged:
                 logged = True
                 log.warning("%s holds the owner election of %s; the aggregator waits for the address (until "
@@ -112,12 +147,12 @@ def hold_election(config: Config) -> Outcome:
     return outcome
 
 
-def describe_holder(config: Config) -> tuple[str, bool]:
+def describe_holder(config: Config, pid: int | None) -> tuple[str, bool]:
     """Who holds ``config.address``'s election, and whether that is final.
 
     Its /healthz says pid, host, mode and agent. A holder without /healthz
-    (NIXL's C++ plug-in serves none) or not serving yet is named by the pid
-    the kernel reports for the lock (/proc/locks).
+    (NIXL's C++ plug-in serves none) or not serving yet is named by ``pid``,
+    the pid the kernel reports for the lock (/proc/locks).
     """
     host = "127.0.0.1" if config.host == "0.0.0.0" else config.host
     serving = True
@@ -132,7 +167,6 @@ def describe_holder(config: Config) -> tuple[str, bool]:
         pass  # it serves, without our /healthz
     except (OSError, ValueError, KeyError, TypeError):
         serving = False  # nothing answers (yet), or not over plain HTTP
-    pid = lock_holder_pid(config.directory / lock_file_name(config.address))
     who = f"pid {pid}" if pid else "another process"
     if serving:
         return f"{who} (serving {config.address} without /healthz: NIXL's C++ plug-in?)", True
@@ -203,7 +237,7 @@ def _owner_info(config: Config) -> dict[str, Any]:
     election = _master.election
     return owner_doc(pid=_master.pid if _master.pid is not None else os.getpid(), agent_name=None,
                      address=config.address, mode="standalone", flock=election is not None and not election.problem,
-                     since=_master.since)
+                     since=_master.since, server_pid=os.getpid(), serving="gunicorn")
 
 
 def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -41,6 +42,7 @@ from werkzeug.wrappers import Request, Response
 
 from app.collector import Collection, Collector, RankView
 from app.exposition import Renderer
+from store import native
 
 log = logging.getLogger("nixl_prometheus_mp.web")
 
@@ -110,9 +112,14 @@ def _rank_json(view: RankView) -> dict[str, Any]:
     return out
 
 
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat()
+
+
 def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, flock: bool,
-              since: float | None) -> dict[str, Any]:
-    """/healthz's ``owner``: who serves this address, how it was elected, since when."""
+              since: float | None, server_pid: int, serving: str) -> dict[str, Any]:
+    """/healthz's ``owner``: who holds this address's election, how it was elected, since when, and which
+    process answers (``server_pid``) how (``serving``: "helper", "thread" or, standalone, "gunicorn")."""
     return {
         "pid": pid,
         "hostname": socket.gethostname(),
@@ -120,9 +127,18 @@ def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, floc
         "address": address,
         "mode": mode,
         "election": "flock" if flock else "bind-fallback",
-        "serving_since": None if since is None else datetime.datetime.fromtimestamp(
-            since, datetime.timezone.utc).isoformat(),
+        "serving_since": None if since is None else _iso(since),
+        "server_pid": server_pid,
+        "serving": serving,
     }
+
+
+def replaced_warning(directory: Path, detected_at: float) -> WarningDoc:
+    """The /healthz warning of an owner whose directory was removed or replaced while it served."""
+    return {"kind": "directory-replaced",
+            "message": f"{directory} was removed or replaced while this process served it; ranks that started "
+                       "before are missing until they record again",
+            "details": {"directory": str(directory), "detected_at": _iso(detected_at)}}
 
 
 class MetricsApp:
@@ -174,6 +190,7 @@ class MetricsApp:
             "live": [_rank_json(v) for v in collection.live],
             "stale": [_rank_json(v) for v in collection.stale],
             "warnings": warnings,
+            "speedups": native.status(),  # the C or the pure-Python path, per hot path (store/native.py)
             "time": time.time(),
         }
         if collection.scan_error is not None:

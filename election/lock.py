@@ -93,6 +93,11 @@ class OwnerElection:
     def path(self) -> Path:
         return self.directory / lock_file_name(self.address)
 
+    @property
+    def descriptor(self) -> int | None:
+        """The lock file's descriptor while we hold the lock (a serving helper inherits it), else None."""
+        return self._fd if self.held else None
+
     def try_win(self) -> Outcome:
         """Race for the address; idempotent while we hold it."""
         if self.held:

@@ -116,3 +116,14 @@ def root_owned_dir() -> Iterator[Path]:
         yield top / "mp"
     finally:
         shutil.rmtree(top)
+
+
+@pytest.fixture(params=["helper", "thread"])
+def serve_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with an elected rank serving from its helper process, then from a thread of its own.
+
+    Every rank the test starts (support.child_env) and every Exporter built from support.exporter_env gets it.
+    Modules use it for all their tests with ``pytestmark = pytest.mark.usefixtures("serve_mode")``.
+    """
+    monkeypatch.setenv("NIXL_PROMETHEUS_MP_SERVE", request.param)
+    return str(request.param)

@@ -213,9 +213,20 @@ def select_pid(samples: Mapping[SeriesKey, float], pid: int) -> dict[SeriesKey, 
 # -- processes ------------------------------------------------------------------------------------------------
 
 
+# The serving mode the test runs in (the serve_mode fixture sets it): passed on to every rank and Exporter.
+SERVE_ENV = "NIXL_PROMETHEUS_MP_SERVE"
+
+
+def serve_mode_env() -> dict[str, str]:
+    """{NIXL_PROMETHEUS_MP_SERVE: mode} where the test chose a serving mode (the serve_mode fixture), else {}."""
+    return {SERVE_ENV: os.environ[SERVE_ENV]} if SERVE_ENV in os.environ else {}
+
+
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test process's environment without any NIXL_* / LOCAL_RANK variable, plus ``extra``."""
+    """The test process's environment without any NIXL_* / LOCAL_RANK variable (but the serving mode the test
+    chose), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIXL_") and k != "LOCAL_RANK"}
+    env.update(serve_mode_env())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
@@ -375,6 +386,11 @@ EXPORTER_RANK_SCRIPT = textwrap.dedent("""
             reply(status())
         elif op == "status":
             reply(status())
+        elif op == "hold_gil":  # one C call that keeps the GIL (as some extensions do), answered after it
+            import ctypes
+            reply(status(holding=True))
+            ctypes.PyDLL(None).usleep(int(cmd["us"]))
+            reply(status(held=True))
         elif op == "close":
             stop.set()
             exp.close()
@@ -460,6 +476,7 @@ def exporter_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
         "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory),
         "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
         "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y",
+        **serve_mode_env(),
         **extra,
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -277,6 +278,14 @@ def procfile_web_command(procfile: Path = REPO / "Procfile") -> list[str]:
         if sep and key.strip() == "web":
             return shlex.split(command)
     raise AssertionError(f"{procfile} has no web: line")
+
+
+def shell_commands(markdown: str, heading: str) -> list[str]:
+    """The non-comment lines of the sh blocks under ``## heading``."""
+    section = markdown.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```sh\n(.*?)```", section, re.S)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def lock_is_free(path: Path) -> bool:

@@ -214,7 +214,7 @@ def test_inspect_prints_a_table(stores: Path) -> None:
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)", "TX", "BYTES", "RX", "BYTES",
                                 "REQUESTS", "ERRORS"]
-    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    rows = {line.split()[0]: line.split() for line in lines[1:lines.index("")]}
     assert set(rows) == {"agent-live", "agent-gone"}
     live, gone = rows["agent-live"], rows["agent-gone"]
     assert (live[2], live[3], live[4], live[6], live[7], live[8], live[9]) == ("0", "0", "alive", "4096", "0", "2",
@@ -251,6 +251,15 @@ def test_inspect_a_missing_directory_is_one_line(tmp_path: Path) -> None:
 
 def test_inspect_without_a_directory_is_one_line() -> None:
     assert_one_line_error(run_cli("inspect"), "directory")
+
+
+@pytest.mark.parametrize("extra", [["-c", "other_conf.py"], ["myproject:app"]], ids=["config", "app"])
+def test_aggregate_takes_gunicorn_options_only(extra: list[str]) -> None:
+    """``aggregate`` passes -c python:app.gunicorn_conf and app:wsgi itself: another of either is refused."""
+    done = run_cli("aggregate", "--log-level", "warning", *extra)
+    assert done.returncode == 2
+    assert_one_line_error(done, "aggregate runs gunicorn -c python:app.gunicorn_conf [OPTIONS] app:wsgi",
+                          f"give it gunicorn options only, not {' '.join(extra)}")
 
 
 def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:

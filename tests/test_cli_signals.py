@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from support_e2e import Proc, Reaper, children_of, free_port, pids_alive, rank_env, reaper, wait_until
+
+pytestmark = pytest.mark.usefixtures("serve_mode")  # the demo's ranks serve from a helper, and from a thread
 
 CLI = [sys.executable, "-m", "app"]
 TRIALS = 24

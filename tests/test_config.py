@@ -11,6 +11,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -181,3 +182,39 @@ def test_exporter_name_in_another_case_is_an_error(tmp_dir: Path, value: str) ->
     message = str(info.value)
     assert "NIXL_TELEMETRY_EXPORTER" in message and repr(value) in message and "'prometheus_mp'" in message
     assert os.listdir(tmp_dir) == []
+
+
+def free_privileged_port() -> int:
+    """A port below the unprivileged range that was free on 127.0.0.1 a moment ago (bound as root to find it)."""
+    start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    for port in range(min(start, 1024) - 1, 0, -1):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip(f"no port below net.ipv4.ip_unprivileged_port_start={start} to bind as another user")
+
+
+def test_a_privileged_port_as_non_root_is_named_a_permission_not_a_foreign_service(root_owned_dir: Path) -> None:
+    """EACCES on the bind: what grants it, not "a foreign service takes it over once the port is free"."""
+    directory = root_owned_dir / "nobody"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, NOBODY, NOBODY)
+    port = free_privileged_port()
+
+    def body() -> dict[str, object]:
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger("nixl_prometheus_mp").addHandler(handler)
+        with Exporter("a", exporter_env(directory, port)) as exp:
+            return {"serving": exp.serving, "warnings": [r.getMessage() for r in records]}
+
+    out = run_as_nobody(body)
+    assert out.get("serving") is False, out
+    (warning,) = out["warnings"]  # type: ignore[misc]
+    assert f"won the election for 127.0.0.1:{port} but cannot bind it: permission denied: ports below 1024 need " \
+           "root or CAP_NET_BIND_SERVICE (or a lower net.ipv4.ip_unprivileged_port_start)" in warning, warning
+    assert "foreign service" not in warning and "port is free" not in warning, warning

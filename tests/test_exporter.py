@@ -428,6 +428,7 @@ FORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.usefixtures("serve_mode")
 def test_forked_child_records_into_its_own_store_and_never_serves(tmp_dir: Path, reaper) -> None:
     port = free_port()
     rank = start_rank(reaper, FORKER, exporter_env(tmp_dir, port))

@@ -43,7 +43,7 @@ from app import Exporter
 from election import lock_file_name
 from store import EventType
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("serve_mode")]  # both ways of serving
 
 # Imported by every child script: logging on stderr, one JSON answer per line on stdout, commands on stdin, and
 # the two real limits the tests impose.

@@ -58,6 +58,8 @@ from app.exporter import create_exporter
 from election import lock_file_name
 from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
 
+pytestmark = pytest.mark.usefixtures("serve_mode")  # our ranks serve from a helper, and from a thread
+
 PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
 # The Python rank's events, and what they must show as (one agent, by sample name).
 PY_EVENTS: list[tuple[int, int]] = [

@@ -11,6 +11,7 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 from support import (  # noqa: F401  (pytest fixtures)
     DEADLINE_S,
     ExporterRank,
@@ -34,6 +35,8 @@ from support import (  # noqa: F401  (pytest fixtures)
 
 from election import held_addresses_except, lock_file_name
 from store import EventType
+
+pytestmark = pytest.mark.usefixtures("serve_mode")  # each test with the owner serving from its helper, then a thread
 
 E = EventType
 BUCKETS = "10,100,1000"

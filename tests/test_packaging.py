@@ -37,6 +37,7 @@ from support_e2e import (
     parse_text,
     procfile_web_command,
     reaper,
+    shell_commands,
     wait_until,
 )
 
@@ -60,6 +61,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def clean_copy(parent: Path) -> Path:
+    """The checkout without its build products, as ``parent/src``: what a fresh clone builds from.
+
+    Building in the checkout would not do: setuptools adds every file an existing *.egg-info's SOURCES.txt
+    lists (the editable installation's) to the sdist, whatever MANIFEST.in says.
+    """
+    src = parent / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "*.so",
+                                                             "__pycache__", ".*_cache", ".hypothesis"))
+    return src
+
+
 # -- python -m build -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -71,7 +84,7 @@ class Dists:
 @pytest.fixture(scope="session")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
     out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)])
+    run([sys.executable, "-m", "build", "--outdir", str(out), str(clean_copy(tmp_path_factory.mktemp("source")))])
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
     return Dists(sdist, wheel)
@@ -103,6 +116,12 @@ def test_sdist_holds_every_source_the_wheel_is_built_from(dists: Dists) -> None:
     for package in PACKAGES:  # the optional C speedups' sources included, so the sdist builds them
         wanted += [str(p.relative_to(REPO)) for p in (REPO / package).iterdir()
                    if p.suffix in {".py", ".c", ".h", ".typed"}]
+    # And what the docs and the tests use: examples/ (docs/cpp-interop.md runs it), the pages, the manifests, the
+    # bench and the tests themselves.
+    for folder in ("examples", "docs", "deploy", "bench", "tests"):
+        wanted += [str(p.relative_to(REPO)) for p in (REPO / folder).rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")]
+    assert "examples/cpp_agents.py" in wanted
     assert sorted(set(wanted) - names) == []
 
 
@@ -118,9 +137,7 @@ def test_sdist_carries_the_c_speedups_and_its_wheel_compiles_them(tmp_path: Path
     """A store/_*.c source (a stand-in module here) goes into the sdist, and the wheel built from it has it compiled."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: setup.py builds the pure-Python package only (its own warning says so)")
-    src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "*.so",
-                                                             "__pycache__", ".*_cache", ".hypothesis"))
+    src = clean_copy(tmp_path)
     (src / "store" / "_packaging_probe.c").write_text(PROBE_C)
     run([sys.executable, "-m", "build", "--outdir", str(tmp_path / "dist"), str(src)])
     (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
@@ -130,6 +147,31 @@ def test_sdist_carries_the_c_speedups_and_its_wheel_compiles_them(tmp_path: Path
     assert not wheel.name.endswith("-none-any.whl"), wheel.name  # a platform wheel: it holds a compiled module
     assert [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("store/_packaging_probe.")
             and n.endswith(".so")], zipfile.ZipFile(wheel).namelist()
+
+
+SETUP_EXTENSIONS = """
+import json, os, runpy, sys, setuptools
+built = {}
+setuptools.setup = lambda **kw: built.update({os.environ["NIXL_PROMETHEUS_MP_PURE_PYTHON"]: bool(kw["ext_modules"])})
+for value in sys.argv[1:]:
+    os.environ["NIXL_PROMETHEUS_MP_PURE_PYTHON"] = value
+    runpy.run_path("setup.py")
+print(json.dumps(built))
+"""  # which values make setup.py build the C speedups, without building them
+
+
+def test_setup_py_reads_the_pure_python_flag_with_the_yes_no_words() -> None:
+    """At build time as at run time: "false" or "no" builds the C speedups (it used to skip them), a bad word stops."""
+    pytest.importorskip("setuptools")
+    values = ["", "0", "false", "No", "1", "true", "YES"]
+    done = run([sys.executable, "-c", SETUP_EXTENSIONS, *values], cwd=REPO)
+    assert json.loads(done.stdout) == {"": True, "0": True, "false": True, "No": True, "1": False, "true": False,
+                                       "YES": False}
+    done = subprocess.run([sys.executable, "-c", SETUP_EXTENSIONS, "maybe"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "error: NIXL_PROMETHEUS_MP_PURE_PYTHON='maybe' is not a yes/no word (use one of y, yes, on, 1, true, enable "
+        "or n, no, off, 0, false, disable, in any case)"), done.stderr
 
 
 def test_twine_check_passes(dists: Dists) -> None:
@@ -253,3 +295,42 @@ def test_image_install_serves_ranks_from_any_directory(image_venv: Path, tmp_pat
         assert by_rank(samples, "agent_tx_bytes_total") == {"0": expected(0)["agent_tx_bytes_total"]}
         assert aggregator.stop() == 0  # SIGTERM: a clean gunicorn shutdown
     assert "Traceback" not in aggregator.output, aggregator.output
+
+
+def test_installed_commands_run_beside_a_projects_own_app_and_store(image_venv: Path, tmp_path: Path) -> None:
+    """From a project's tree with its own app/ and store.py, docs/operations.md's command still runs this
+    installation's aggregator; beside a store.py, importing app names the file that shadows the package."""
+    bin_ = image_venv / "bin"
+    project = tmp_path / "project"
+    (project / "app").mkdir(parents=True)
+    (project / "app" / "__init__.py").write_text("")
+    (project / "store.py").write_text("")
+    documented = shell_commands((REPO / "docs" / "operations.md").read_text(), "The standalone aggregator (gunicorn)")
+    (command,) = [c for c in documented if c.startswith("nixl-prometheus-mp ")]
+    words = shlex.split(command.split("#")[0])
+    directory, port = tmp_path / "run" / "mp", free_port()
+    env = clean_env(PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", NIXL_TELEMETRY_MULTIPROC_DIR=str(directory),
+                    NIXL_TELEMETRY_PROMETHEUS_PORT=str(port), NIXL_TELEMETRY_PROMETHEUS_LOCAL="y",
+                    GUNICORN_WORKERS="1")
+    with reaper() as r:
+        aggregator = r.start(words, env, cwd=project)
+        health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2), 30,
+                            lambda: f"the aggregator to serve; output:\n{aggregator.output}")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", aggregator.pid)
+        listed = run([str(bin_ / "nixl-prometheus-mp"), "inspect", str(directory)], cwd=project, env=env)
+        assert listed.stdout.strip().endswith(f"(no stores in {directory})"), listed.stdout
+        assert aggregator.stop() == 0
+    assert "Traceback" not in aggregator.output, aggregator.output
+
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    (beside / "store.py").write_text("")
+    shadowed = f"cannot import app: the module 'store' resolves to {beside / 'store.py'}, not to this installation's"
+    done = subprocess.run([str(bin_ / "python"), "-c", "from app import Exporter"], cwd=beside, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(f"ImportError: {shadowed}"), \
+        done.stderr
+    assert "Rename it, or run from another directory" in done.stderr
+    done = subprocess.run([str(bin_ / "gunicorn"), *procfile_web_command()[1:]], cwd=beside, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"Error: {shadowed}" in done.stderr, done.stderr

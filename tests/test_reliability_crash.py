@@ -27,7 +27,7 @@ from support import (
 
 from app import Exporter
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("serve_mode")]  # both ways of serving
 
 ROUNDS = 5
 RANKS = 4

@@ -23,7 +23,7 @@ from support import (
 )
 from support_reliability import vm_status
 
-from app.endpoint import MAX_CONNECTIONS
+from app.server import MAX_CONNECTIONS
 
 pytestmark = pytest.mark.reliability
 

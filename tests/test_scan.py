@@ -174,13 +174,23 @@ def test_both_paths_reap_only_what_the_scan_judged(tmp_dir: Path, make_writer, m
         live.path.unlink()
 
 
-def test_the_c_speedups_are_used_unless_the_python_path_is_forced() -> None:
+@pytest.mark.parametrize(("forced", "python_path"), [("", False), ("0", False), ("false", False), ("No", False),
+                                                    ("off", False), ("1", True), ("true", True), ("YES", True)])
+def test_the_c_speedups_are_used_unless_the_python_path_is_forced(forced: str, python_path: bool) -> None:
+    """NIXL_PROMETHEUS_MP_PURE_PYTHON takes the same yes/no words as every other flag ("false" used to force it)."""
     code = ("import store.scan as s, app.exposition as x; "
             "print(s.scan is s.scan_python, x._native is None)")
-    outputs = []
-    for forced in ("", "1"):
-        env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": forced}
-        done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True,
-                              text=True, timeout=60, check=True)
-        outputs.append(done.stdout.strip())
-    assert outputs == ["False False", "True True"]
+    env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": forced}
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert done.stdout.split() == [str(python_path)] * 2
+
+
+def test_a_pure_python_value_that_is_no_yes_no_word_is_an_error_naming_it() -> None:
+    env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": "maybe"}
+    done = subprocess.run([sys.executable, "-c", "import app"], cwd=PROJECT_ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ValueError: NIXL_PROMETHEUS_MP_PURE_PYTHON='maybe' is not a yes/no word (use one of y, yes, on, 1, true, "
+        "enable or n, no, off, 0, false, disable, in any case)"), done.stderr

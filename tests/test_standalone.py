@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import shutil
 import signal
 import ssl
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import pytest
 from support_e2e import (
+    REPO,
+    VENV_BIN,
     by_rank,
     children_of,
     expected,
@@ -291,6 +294,73 @@ def test_bad_worker_or_thread_count_fails_the_start_in_one_line(tmp_path: Path, 
     assert not directory.exists()  # refused before anything was created
 
 
+OVERRIDES = {  # gunicorn flags that would strand the address: (arguments, what the one line must say)
+    "bind": (["-b", "127.0.0.1:{other}"], "gunicorn's --bind 127.0.0.1:{other} (its command line or "
+             "GUNICORN_CMD_ARGS) is refused: the aggregator serves the address its ranks elect an owner for, "
+             "127.0.0.1:{port}; drop --bind and set NIXL_TELEMETRY_PROMETHEUS_PORT and "
+             "NIXL_TELEMETRY_PROMETHEUS_LOCAL"),
+    "no-workers": (["-w", "0"], "gunicorn's --workers 0 (its command line or GUNICORN_CMD_ARGS) is refused: the "
+                   "aggregator takes its workers from GUNICORN_WORKERS (now 1, 1..64); drop --workers and set "
+                   "GUNICORN_WORKERS"),
+    "more-workers": (["--workers", "3"], "gunicorn's --workers 3 (its command line or GUNICORN_CMD_ARGS) is refused"),
+    "no-threads": (["--threads", "0"], "gunicorn's --threads 0 (its command line or GUNICORN_CMD_ARGS) is refused: "
+                   "the aggregator takes its threads from GUNICORN_THREADS (now 4, 1..256)"),
+    "reuse-port": (["--reuse-port"], "gunicorn's --reuse-port (its command line or GUNICORN_CMD_ARGS) is refused: it "
+                   "would let another server share 127.0.0.1:{port} and answer its scrapes without holding the owner "
+                   "election; drop --reuse-port"),
+}
+
+
+# Every flag on gunicorn's command line; two through the other ways gunicorn takes them.
+@pytest.mark.parametrize(("override", "how"), [*((o, "gunicorn") for o in OVERRIDES), ("bind", "GUNICORN_CMD_ARGS"),
+                                               ("no-workers", "aggregate")])
+def test_gunicorn_flag_that_would_strand_the_address_is_refused_before_anything_is_held(
+        tmp_path: Path, override: str, how: str) -> None:
+    """-b served another port while the master held the ranks' election; -w 0 held it and served nothing."""
+    directory, port, other = tmp_path / "mp", free_port(), free_port()
+    flags, wanted = OVERRIDES[override]
+    flags = [f.format(other=other) for f in flags]
+    env = rank_env(directory, port, GUNICORN_WORKERS="1")
+    web = procfile_web_command()
+    if how == "gunicorn":
+        command = [*web[:-1], *flags, web[-1]]
+    elif how == "GUNICORN_CMD_ARGS":
+        command, env["GUNICORN_CMD_ARGS"] = web, " ".join(flags)
+    else:
+        command = [str(VENV_BIN / "nixl-prometheus-mp"), "aggregate", *flags]
+    with reaper() as r:
+        proc = r.start(command, env, cwd=tmp_path)
+        assert proc.popen.wait(timeout=30) == 1
+    ours = [line for line in proc.lines if "Starting gunicorn" not in line]  # gunicorn's own INFO line comes first
+    assert len(ours) == 1 and ours[0].startswith("nixl-prometheus-mp: error: "), proc.output
+    assert wanted.format(port=port, other=other) in ours[0], ours[0]
+    assert not directory.exists()  # refused before the directory, the lock file or the election
+    for served in (port, other):
+        with pytest.raises(OSError):
+            http_get(f"http://127.0.0.1:{served}/healthz", timeout=2)
+
+
+def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> None:
+    """--log-level warning: its warnings stay, its INFO lines (a reaped rank) go, like gunicorn's own."""
+    directory, port = tmp_path / "mp", free_port()
+    with reaper() as r:
+        rank = r.rank(directory, port, 0)
+        assert wait_ready(rank) is True
+        web = procfile_web_command()
+        agg = r.start([*web[:-1], "--log-level", "warning", web[-1]],
+                      rank_env(directory, port, GUNICORN_WORKERS="1", NIXL_TELEMETRY_MP_STALE_TTL="0"), cwd=tmp_path)
+        agg.wait_line(lambda s: "holds the owner election" in s and "[WARNING]" in s, 20)
+        assert rank.stop() == 0
+        (store,) = directory.glob("nixl.*.mmap")  # the departed rank's, left for the aggregator to reap
+        health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=1), 20,
+                            "the aggregator to serve")
+        assert health["owner"]["pid"] == agg.pid
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics")[0] == 200 and not store.exists(), 10,
+                   lambda: f"{store.name} to be reaped")
+        assert agg.stop() == 0
+    assert not [line for line in agg.lines if "[INFO]" in line], agg.output  # "reaped ...", "Starting gunicorn"
+
+
 def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
     with reaper() as r:
@@ -366,6 +436,14 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
         with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
             http_get(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
+        # A second aggregator waits, naming the TLS holder as the page says (it asks /healthz over plain HTTP).
+        page = " ".join((REPO / "docs" / "operations.md").read_text().split())
+        quoted = re.search(r"names a TLS holder by the pid of its lock: `pid N \(([^)`]*)\)`", page)
+        assert quoted is not None, "docs/operations.md no longer says how a TLS holder is named"
+        waiting = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        line = waiting.wait_line(lambda s: "holds the owner election" in s, 20)
+        assert re.search(rf"pid \d+ \({re.escape(quoted.group(1))}\) holds the owner election", line), line
+
 
 def test_hup_replaces_the_workers_and_the_master_keeps_the_election(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
@@ -412,3 +490,36 @@ def test_waiting_aggregator_names_a_holder_without_healthz_by_its_lock(tmp_path:
         line = agg.wait_line(lambda s: "holds the owner election" in s, 20)
         state = f"serving 127.0.0.1:{port} without /healthz" if serves else "its /healthz does not answer yet"
         assert f"pid {holder.pid} ({state}" in line, line
+
+
+def blocked_on_flock(pid: int) -> bool:
+    """Whether ``pid`` waits in flock(LOCK_EX) for a lock another process holds (/proc/locks' "->" lines)."""
+    return any(fields[1:3] == ["->", "FLOCK"] and fields[5] == str(pid)
+               for fields in (line.split() for line in Path("/proc/locks").read_text().splitlines())
+               if len(fields) > 5)
+
+
+def test_waiting_aggregator_names_each_new_holder(tmp_path: Path) -> None:
+    """The holder it named exits and another process takes the address: the aggregator says who, again."""
+    directory, port = tmp_path / "mp", free_port()
+    lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
+    with reaper() as r:
+        first = r.rank(directory, port, 0)
+        assert wait_ready(first) is True
+        agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        agg.wait_line(lambda s: f"pid {first.pid} on " in s and "holds the owner election" in s, 20)
+        # The next holder waits in flock(LOCK_EX), so the kernel hands it the lock the moment the rank drops it
+        # (the aggregator only polls), then serves the port without /healthz, as NIXL's C++ plug-in would.
+        second = r.start([sys.executable, "-c", HOLDER_CODE, str(lock_path), str(port)], rank_env(directory, port),
+                         stdin=True)
+        wait_until(lambda: blocked_on_flock(second.pid), 20, "the second holder to wait for the lock")
+        first.stop()
+        second.wait_line(lambda s: s == "ready", 20)
+        line = agg.wait_line(lambda s: f"pid {second.pid} (serving 127.0.0.1:{port} without /healthz" in s, 20)
+        assert f"holds the owner election of 127.0.0.1:{port}; the aggregator waits" in line, line
+        # ... and once that one is gone too, the aggregator serves.
+        assert second.popen.stdin is not None
+        second.popen.stdin.close()
+        health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=1), 20,
+                            "the aggregator to serve")
+        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", agg.pid)

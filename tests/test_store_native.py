@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT_ROOT
 
+import store.native
 import store.writer
 from store import layout as L
 
@@ -127,7 +128,7 @@ def test_extension_is_loaded_where_ci_requires_it(tmp_path: Path) -> None:
     """CI (CI_REQUIRE_SPEEDUPS=1) fails here if the default run silently fell back to the Python path."""
     if not REQUIRED:
         pytest.skip("CI_REQUIRE_SPEEDUPS is not 1")
-    assert os.environ.get("NIXL_PROMETHEUS_MP_PURE_PYTHON", "") in ("", "0")
+    assert not store.native.pure_python_forced()
     assert store.writer.NATIVE is not None, "store._recorder was not built or not loadable"
     import app.recording
 

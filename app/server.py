@@ -1,0 +1,362 @@
+"""The HTTP server of an address: werkzeug's threaded server on a socket we bound, made safe for a host.
+
+Used wherever this project serves: a rank's endpoint (from a thread, or from its serving helper process, see
+app.helper), the demo's aggregator and the benchmarks.  What it adds to werkzeug: a bound on connections and on
+how long each may last, accept() backing off while descriptors run out, no traceback on a client's error, no
+log line per scrape, and a registry of every listener this process holds, closed in a forked child (a child
+holding our listener would keep the port bound after we close it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+
+from election.lock import SCARCE
+from store.warnonce import OnceWarner
+
+log = logging.getLogger("nixl_prometheus_mp.endpoint")
+_warner = OnceWarner(log)
+
+# werkzeug's server constructor looks its own version up with
+# importlib.metadata.  Done for the first time in a takeover, importing that
+# module and filling its path caches would cost milliseconds between the old
+# owner's death and the first scrape served; done here, it costs them once, at
+# import, and a takeover only pays the (cached) lookup itself.
+with contextlib.suppress(Exception):
+    importlib.metadata.version("werkzeug")
+
+_POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency
+_REQUEST_TIMEOUT_S = 10.0  # a connection is cut this long after it was accepted, whatever the client does
+MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are refused with a 503
+_STOP_JOIN_S = 5.0  # close() waits at most this long for the serving and connection threads to end
+_ACCEPT_BACKOFF_MIN_S, _ACCEPT_BACKOFF_MAX_S = 0.01, 1.0  # accept() pauses while descriptors run out
+_MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs before closing
+_DRAIN_CHUNK = 64 << 10
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 33\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many concurrent connections\r\n")
+
+
+class _CappedReader:
+    """The request stream, of which at most ``limit`` bytes are ever read, at most one chunk at a time.
+
+    After the response werkzeug drains what the client sent, up to 10 GB in 10 MB reads; neither endpoint
+    reads a body, so a client streaming one must cost neither memory nor its thread's time.
+    """
+
+    def __init__(self, stream: Any, limit: int) -> None:
+        self._stream = stream
+        self._left = limit
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self._left <= 0:
+            return b""
+        want = self._left if size is None or size < 0 else min(size, self._left)
+        data = self._stream.read1(min(want, _DRAIN_CHUNK))
+        self._left -= len(data)
+        return data
+
+    def readline(self, size: int | None = -1) -> bytes:
+        if self._left <= 0:
+            return b""
+        want = self._left if size is None or size < 0 else min(size, self._left)
+        data = self._stream.readline(min(want, _DRAIN_CHUNK))
+        self._left -= len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One log line per scrape would drown the rank's own logs.
+
+    So would one per malformed or timed-out request, which a client controls: those go to DEBUG.
+    """
+
+    timeout = _REQUEST_TIMEOUT_S
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass
+
+    def log(self, type: str, message: str, *args: Any) -> None:
+        log.debug("telemetry endpoint, client %s: " + message, self.address_string(), *args)
+
+    def run_wsgi(self) -> None:
+        self.rfile = _CappedReader(self.rfile, _MAX_DRAIN_BYTES)  # type: ignore[assignment]
+        super().run_wsgi()
+
+
+# -- listeners and fork ---------------------------------------------------------------------------------------
+#
+# A child forked without exec inherits every descriptor, listeners included: a child holding our listener
+# keeps the port bound after we close it (no rank can take the address over) and its backlog swallows
+# scrapes.  SOCK_CLOEXEC does nothing for a fork without exec, so every listener this process opens is
+# registered here from the instant its descriptor exists until the instant it is closed, both under
+# _listeners_lock, and the fork hooks hold that lock across fork(): the child closes exactly the listeners
+# the parent had open at that instant, whatever the parent was doing (binding, taking over, closing).
+
+_listeners: set[socket.socket] = set()
+_listeners_lock = threading.RLock()  # reentrant: werkzeug's constructor closes a socket while we hold it
+_FORK_LOCK_WAIT_S = 1.0  # a fork from a signal handler that interrupted a registration must not hang
+
+
+def _open_listener(family: int) -> socket.socket:
+    with _listeners_lock:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        _listeners.add(sock)
+    return sock
+
+
+def close_listener(sock: socket.socket) -> None:
+    with _listeners_lock:
+        _listeners.discard(sock)
+        sock.close()
+
+
+def holding_off_fork() -> threading.RLock:
+    """The lock fork() waits for: held, it makes the descriptors created meanwhile and recorded by the holder
+    (the serving helper's pidfd and channel, see app.helper) either absent from a child or known to its hooks."""
+    return _listeners_lock
+
+
+_fork_held = threading.local()
+
+
+def _before_fork() -> None:
+    _fork_held.locked = _listeners_lock.acquire(timeout=_FORK_LOCK_WAIT_S)
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_fork_held, "locked", False):
+        _fork_held.locked = False
+        _listeners_lock.release()
+
+
+def _close_listeners_in_child() -> None:
+    global _listeners_lock
+    for sock in _listeners:
+        # detach() marks the object closed without closing, so its finalizer can never close a number the
+        # child reuses; os.close drops the child's copy only (no shutdown: the parent keeps listening).
+        with contextlib.suppress(OSError):
+            os.close(sock.detach())
+    _listeners.clear()
+    _listeners_lock = threading.RLock()
+    _fork_held.locked = False
+
+
+class BoundedServer(ThreadedWSGIServer):
+    """werkzeug's threaded server with a bound on connections and on how long each may last.
+
+    Every connection costs the rank a thread and a descriptor, so at most MAX_CONNECTIONS are served at once;
+    one more is answered 503 and closed right away by the accepting thread.  A per-read timeout alone would
+    let a client that sends a byte now and then hold its thread for ever, so each connection also gets a
+    deadline, _REQUEST_TIMEOUT_S after it was accepted, past which the serving loop shuts its socket down.
+    Connection threads are ours (named, tracked) so that stop() can join them: nothing of ours serves, and
+    no scrape reaps, once stop() returns.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._connections: dict[socket.socket, float] = {}  # -> deadline (monotonic s)
+        self._workers: set[threading.Thread] = set()
+        self._connections_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._retiring = False  # retire(): stop accepting, let the connections finish (a hand-over)
+        self._accept_backoff_s = 0.0
+        self._refusal_logged = False
+        self.serve_thread: threading.Thread | None = None
+        super().__init__(*args, **kwargs)  # (which already calls server_close once)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """accept(), backing off while the process or system is out of descriptors (or buffers).
+
+        socketserver swallows accept's error and the pending connection keeps the listener readable, so
+        without a pause the serving thread would spin at 100% CPU for as long as the shortage lasts,
+        taking the CPU from the rank it lives in.
+        """
+        try:
+            conn = super().get_request()
+        except OSError as exc:
+            if exc.errno in SCARCE:
+                _warner.warn(("accept", self.server_address, exc.errno),
+                             "the telemetry endpoint on %s cannot accept connections (%s); it retries with a "
+                             "growing pause (at most %.0f s) until the process has descriptors again",
+                             _format_address(self.server_address), os.strerror(exc.errno), _ACCEPT_BACKOFF_MAX_S)
+                self._accept_backoff_s = min(max(2 * self._accept_backoff_s, _ACCEPT_BACKOFF_MIN_S),
+                                             _ACCEPT_BACKOFF_MAX_S)
+                self._stopping.wait(self._accept_backoff_s)
+            raise
+        self._accept_backoff_s = 0.0
+        return conn
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        worker = threading.Thread(target=self._serve_connection, args=(request, client_address),
+                                  name=f"nixl-metrics-{self.server_address[1]}-conn", daemon=True)
+        with self._connections_lock:
+            full = len(self._connections) >= MAX_CONNECTIONS
+            if not full:
+                self._connections[request] = time.monotonic() + _REQUEST_TIMEOUT_S
+                self._workers.add(worker)
+        if not full:
+            try:
+                worker.start()
+                return
+            except RuntimeError:  # the process is at its thread limit: refuse this one, keep serving
+                with self._connections_lock:
+                    self._workers.discard(worker)
+                _warner.warn(("thread", self.server_address),
+                             "the telemetry endpoint on %s cannot start a thread for a connection (the process "
+                             "is at its thread limit); connections are answered 503 until threads free up",
+                             _format_address(self.server_address))
+        elif not self._refusal_logged:
+            self._refusal_logged = True
+            log.warning("the telemetry endpoint has %d connections open; further ones are answered 503 until "
+                        "some finish (each is cut %.0f s after it was accepted)", MAX_CONNECTIONS,
+                        _REQUEST_TIMEOUT_S)
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            request.send(_BUSY)
+        self.shutdown_request(request)
+
+    def _serve_connection(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._connections_lock:
+                self._workers.discard(threading.current_thread())
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to the rank's stderr; a client's misbehaviour is not the rank's news.
+        log.debug("telemetry endpoint: error serving %s", client_address, exc_info=True)
+
+    def shutdown_request(self, request: Any) -> None:
+        # Under the lock: service_actions must never shut down a descriptor that was closed (and reused).
+        with self._connections_lock:
+            self._connections.pop(request, None)
+            super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Called by serve_forever at every poll: cut the connections past their deadline."""
+        super().service_actions()
+        now = time.monotonic()
+        with self._connections_lock:
+            for sock, deadline in self._connections.items():
+                if now > deadline:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+    def server_close(self) -> None:
+        """Close the listener and cut every open connection: nothing serves after close().
+
+        (werkzeug's serve_forever calls this as it returns: after retire(), the connections are left to finish.)
+        """
+        close_listener(self.socket)
+        if self._retiring:
+            return
+        with self._connections_lock:
+            for sock in self._connections:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def retire(self) -> None:
+        """Stop accepting and close our duplicate of the listener, but let the open connections finish.
+
+        For a hand-over: the listener stays open in the process taking over (the serving helper), which
+        accepts what waits in the backlog, so no connection is refused or cut.  Call from any thread but the
+        serving one; stop() still cuts and joins what is left.
+        """
+        self._retiring = True
+        self._stopping.set()
+        if self.serve_thread is not None and self.serve_thread.is_alive():
+            self.shutdown()
+        close_listener(self.socket)
+
+    def busy(self) -> bool:
+        """Whether a connection thread of this server still runs."""
+        with self._connections_lock:
+            return any(worker.is_alive() for worker in self._workers)
+
+    def stop(self, timeout_s: float = _STOP_JOIN_S) -> None:
+        """Stop the serving loop, close the listener, cut the connections and join their threads (bounded).
+
+        Safe from any thread, including the serving thread itself and a connection thread (a garbage
+        collection can run an Exporter's finalizer there): neither is waited for by itself.
+        """
+        self._stopping.set()
+        self._retiring = False  # (a retired server's connections are cut now too)
+        me = threading.current_thread()
+        if me is self.serve_thread:
+            self._BaseServer__shutdown_request = True  # serve_forever's own flag: shutdown() would wait for us
+        elif self.serve_thread is not None and self.serve_thread.is_alive():
+            self.shutdown()
+        self.server_close()
+        deadline = time.monotonic() + timeout_s
+        with self._connections_lock:
+            threads = [self.serve_thread, *self._workers]
+        for thread in threads:
+            if thread is not None and thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _format_address(address: Any) -> str:
+    host, port = address[:2]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind and listen ourselves, so a failure is ours to report.
+
+    (werkzeug's own bind prints to stderr and calls sys.exit on failure,
+    which must never happen inside a rank.)  SO_REUSEADDR lets a new owner
+    bind while the dead owner's connections sit in TIME_WAIT; it does not
+    let two processes listen on one port.
+    """
+    sock = _open_listener(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        # Non-blocking, for every holder of this socket (the flag belongs to the open file description, which
+        # a serving helper shares): where two processes poll one listener (a thread server handing over to
+        # the helper), both wake for a connection and one of them accepts it; the other's accept() must
+        # fail with EAGAIN, which socketserver ignores, not block its serving loop until the next client.
+        sock.setblocking(False)
+    except BaseException:
+        close_listener(sock)
+        raise
+    return sock
+
+
+def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedServer, threading.Thread]:
+    """A threaded werkzeug server on a duplicate of the bound socket ``sock``, on a daemon thread.
+
+    The caller keeps ``sock`` (and closes it): a rank holds its listener for as long as it serves, whoever
+    accepts on it, so that its serving helper can be restarted and the thread server retired without the
+    port ever being free.  On failure (no descriptor for werkzeug's duplicate, no thread) the duplicate is
+    closed before the error propagates.
+    """
+    host, port = sock.getsockname()[:2]
+    with _listeners_lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
+        server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
+        _listeners.add(server.socket)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name=name,
+                              daemon=True)
+    server.serve_thread = thread
+    try:
+        thread.start()
+    except BaseException:
+        server.server_close()
+        raise
+    return server, thread
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_close_listeners_in_child)
