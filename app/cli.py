@@ -29,8 +29,8 @@ from typing import Any, NoReturn
 
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, ConfigError, prepare_directory
-from store import EventType
-from store.layout import STORE_PREFIX, STORE_SUFFIX
+from store import EventType, native
+from store.layout import STORE_PREFIX, STORE_SUFFIX, is_store_name
 from store.reader import Snapshot, Unreadable, open_store, probe_alive, read_fd
 
 log = logging.getLogger("nixl_prometheus_mp.cli")
@@ -308,12 +308,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # -- inspect ----------------------------------------------------------------
 
-def _inspect_rows(directory: Path) -> list[dict[str, Any]]:
-    """Every store, read without ever reaping or locking for long."""
+def _store_like_names(directory: Path) -> tuple[list[str], list[str]]:
+    """The directory's store names, and the names that only look like one (``nixl.*.mmap``, never opened)."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith(STORE_PREFIX) and n.endswith(STORE_SUFFIX))
     except OSError as exc:
         raise CliError(f"cannot list {directory}: {os.strerror(exc.errno or 0)}") from None
+    return [n for n in names if is_store_name(n)], [n for n in names if not is_store_name(n)]
+
+
+def _inspect_rows(directory: Path, names: list[str]) -> list[dict[str, Any]]:
+    """Every store, read without ever reaping or locking for long."""
     now = time.monotonic_ns()
     rows: list[dict[str, Any]] = []
     for name in names:
@@ -348,8 +353,18 @@ def _print_table(table: list[tuple[str, ...]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
 
 
+def _speedups_line() -> str:
+    """Which path this installation's hot paths take (as /healthz's ``speedups`` says for the serving process)."""
+    status = native.status()
+    forced = f" ({native.PURE_PYTHON_ENV} forces the Python path)" if status.pop("pure_python_forced") else ""
+    paths = ", ".join(f"{name} {path}" for name, path in status.items())
+    return f"speedups of this installation (c or python): {paths}{forced}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    rows = _inspect_rows(Path(args.directory))
+    directory = Path(args.directory)
+    stores, lookalikes = _store_like_names(directory)
+    rows = _inspect_rows(directory, stores)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -370,6 +385,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_table(invalid)
     if not rows:
         print(f"(no stores in {args.directory})")
+    if lookalikes:
+        # Readers only ever open names that parse: saying "too small" here would claim this file was read.
+        print()
+        print("NOT A STORE (not named nixl.<pid>.<run_marker>.<instance>.mmap: never read nor reaped)")
+        print("\n".join(lookalikes))
+    print()
+    print(_speedups_line())
     return 0
 
 

@@ -42,6 +42,7 @@ from werkzeug.wrappers import Request, Response
 
 from app.collector import Collection, Collector, RankView
 from app.exposition import Renderer
+from store import native
 
 log = logging.getLogger("nixl_prometheus_mp.web")
 
@@ -189,6 +190,7 @@ class MetricsApp:
             "live": [_rank_json(v) for v in collection.live],
             "stale": [_rank_json(v) for v in collection.stale],
             "warnings": warnings,
+            "speedups": native.status(),  # the C or the pure-Python path, per hot path (store/native.py)
             "time": time.time(),
         }
         if collection.scan_error is not None:

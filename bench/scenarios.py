@@ -31,14 +31,15 @@ from bench.common import (
 from store import native
 from store.native import PURE_PYTHON_ENV
 
-THREAD_RUN_FACTOR = 10
-
 
 @dataclass
 class Settings:
     ranks: list[int]
     record_repeats: int = 15
     record_transfers: int = 10_000  # per repeat, per thread (a multiple of 1000)
+    # Threaded runs are this many times longer: starting and joining the threads must stay well under 1% of a
+    # run (at ~100 ns per transfer, 10,000 transfers per thread take about as long as starting the threads).
+    thread_run_factor: int = 10
     threads: int = 4
     scrape_repeats: int = 9
     inproc_repeats: int = 9
@@ -89,9 +90,7 @@ def record(settings: Settings, results: Results, threads: int) -> None:
     method of the same signature (the floor any Python API pays).
     """
     target = results.record if threads == 1 else results.threads
-    # Threaded runs are ten times longer: starting and joining the threads must stay well under 1% of a run
-    # (at ~100 ns per transfer, 10,000 transfers per thread take about as long as starting the threads).
-    n = settings.record_transfers * (1 if threads == 1 else THREAD_RUN_FACTOR)
+    n = settings.record_transfers * (1 if threads == 1 else settings.thread_run_factor)
     pure_python = {"NIXL_PROMETHEUS_MP_PURE_PYTHON": "1"}
     with _tempdir(settings, "rec-ours") as ours_dir, _tempdir(settings, "rec-py") as py_dir, \
             _tempdir(settings, "rec-ref") as ref_dir:

@@ -117,6 +117,7 @@ def _load_native() -> ModuleType | None:
         log.warning("store._recorder was built for another store layout (%s, expected %s); using the "
                     "pure-Python path. Rebuild the package (pip install .) to get the C path back.",
                     module.LAYOUT, expected)
+        native.refuse("_recorder")
         return None
     module.install(event_type, event_value, transfer_direction)
     return module

@@ -7,6 +7,7 @@ Everything runs the real command, ``python -m app`` and the installed
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import runpy
@@ -261,6 +262,28 @@ def test_inspect_lists_invalid_stores_apart_by_file_name(cli: list[str], tmp_dir
     assert invalid[0].split() == ["INVALID", "STORE", "PROBLEM"], invalid
     name, problem = invalid[1].split(None, 1)
     assert name == bad.name and problem.strip(), invalid
+
+
+def test_inspect_lists_names_that_only_look_like_a_store_apart_unopened(cli: list[str], tmp_dir: Path) -> None:
+    """nixl.<not a pid...>.mmap is not a store (docs/format.md): never "too small", never opened."""
+    good = StoreWriter(tmp_dir, StoreIdentity("agent-ok", "host", "0", 0, (10.0,)))
+    try:
+        (tmp_dir / "nixl.backup.mmap").write_bytes(b"x")  # read as a store, it would be "too small"
+        os.mkfifo(tmp_dir / "nixl.abc.mmap")  # opened as a store, it would be "not a regular file"
+        done = run(cli, "inspect", str(tmp_dir))
+        as_json = run(cli, "inspect", "--json", str(tmp_dir))
+    finally:
+        good.close()
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "INVALID STORE" not in done.stdout and "too small" not in done.stdout, lines
+    heading = next(i for i, line in enumerate(lines) if line.startswith("NOT A STORE"))
+    assert lines[heading + 1:heading + 3] == ["nixl.abc.mmap", "nixl.backup.mmap"], lines
+    assert lines[heading - 1] == "" and lines[heading + 3] == "", lines
+    # docs/operations.md shows the same heading, and says the names are not opened.
+    page = (REPO / "docs" / "operations.md").read_text()
+    assert f"\n{lines[heading]}\n" in page
+    assert [row["store"] for row in json.loads(as_json.stdout)] == [good.path.name]
 
 
 @pytest.mark.parametrize(("name", "value"), [

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,128 @@ def test_operations_page_lists_every_deploy_file() -> None:
     table = text.split("\n## Kubernetes\n", 1)[1].split("\n```", 1)[0]
     for path in sorted((REPO / "deploy").iterdir()):
         assert f"`{path.name}`" in table, path.name
+
+
+
+# -- what the code defines, listed in the docs ------------------------------------------------------------------
+
+CODE = sorted(p for d in ("app", "store", "election") for p in (REPO / d).glob("*.py"))
+OPERATIONS = REPO / "docs" / "operations.md"
+
+
+def healthz_warning_kinds() -> set[str]:
+    """Every ``kind`` a /healthz warning can have: the literals of the ``{"kind": ...}`` documents in the code."""
+    kinds: set[str] = set()
+    for path in CODE:
+        text = path.read_text()
+        for value in re.findall(r'"kind": ([^,}]+)', text):
+            if value.startswith('"'):
+                kinds.add(value.strip('"'))
+            else:  # a variable: only the collector's ``kind = "..."`` form is understood here
+                assert value == "kind", f"{path.name}: a warning kind from {value!r}; teach this test to read it"
+                kinds |= set(re.findall(r'\bkind = "([a-z-]+)"', text))
+    return kinds
+
+
+def test_operations_page_lists_exactly_the_healthz_warning_kinds() -> None:
+    kinds = healthz_warning_kinds()
+    assert {"duplicate-owners", "duplicate-labels", "directory-replaced", "transient-read-error"} <= kinds
+    table = OPERATIONS.read_text().split("| warning `kind` | what it says |", 1)[1].split("\n\n", 1)[0]
+    documented = re.findall(r"^\| `([a-z-]+)` \|", table, re.M)
+    assert sorted(documented) == sorted(kinds)
+    assert len(documented) == len(set(documented))
+
+
+def doc_command_lines() -> list[tuple[str, str]]:
+    """(page, line) for every command line of the sh and console blocks of the README and docs/."""
+    out = []
+    for page in (README, *DOCS):
+        for block in re.findall(r"```(?:sh|console)\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.strip().removeprefix("$ ")
+                if line and not line.startswith("#"):
+                    out.append((page.name, line))
+    return out
+
+
+def test_every_gunicorn_command_in_the_docs_names_the_projects_configuration() -> None:
+    runs = [(page, line) for page, line in doc_command_lines()
+            if any(Path(word).name == "gunicorn" for word in shlex.split(line.split(" #", 1)[0]))]
+    assert len(runs) >= 3, runs  # the README's, operations' (plain and TLS), cpp-interop's
+    for page, line in runs:
+        words = shlex.split(line.split(" #", 1)[0])
+        assert "-c" in words, (page, line)
+        config = words[words.index("-c") + 1]
+        assert config == "python:app.gunicorn_conf", (page, line)
+        assert (REPO / "app" / "gunicorn_conf.py").is_file()
+
+
+def test_performance_page_describes_the_pure_python_ci_run_of_ci_run() -> None:
+    script = (REPO / ".ci" / "run").read_text().replace("\\\n", " ")
+    (run,) = [line for line in script.splitlines()
+              if line.startswith("NIXL_PROMETHEUS_MP_PURE_PYTHON=1 ") and " pytest" in line]
+    args = shlex.split(run)[shlex.split(run).index("pytest") + 1:]
+    ignored = {a.removeprefix("--ignore=") for a in args if a.startswith("--ignore=")}
+    # The whole suite: no test selected by path, keyword or marker, only files left out.
+    assert [a for a in args if not a.startswith("--ignore=")] == ["-q"], args
+    text = " ".join((REPO / "docs" / "performance.md").read_text().split())
+    sentence = text.split("CI (`.ci/run`) runs ", 1)[1].split(". ", 1)[0]
+    assert sentence.startswith("the whole suite once more with `NIXL_PROMETHEUS_MP_PURE_PYTHON=1`"), sentence
+    assert set(re.findall(r"`(tests/[a-z_]+\.py)`", sentence)) == ignored, sentence
+
+
+def test_operations_page_documents_every_command_and_the_console_script() -> None:
+    from app.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    commands = list(sub.choices)  # type: ignore[arg-type]  # in --help's order
+    script = re.search(r"^\[project\.scripts\]\n([a-z-]+) = \"app\.cli:main\"$",
+                       (REPO / "pyproject.toml").read_text(), re.M)
+    assert script is not None and "inspect" in commands
+    section = OPERATIONS.read_text().split(f"\n## The command line: `{script.group(1)}`\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `([a-z]+)[^`]*` \|", section, re.M) == commands
+
+
+def test_format_page_examples_of_names_that_are_not_stores_are_not() -> None:
+    from store.layout import is_store_name, store_file_name
+
+    text = " ".join((REPO / "docs" / "format.md").read_text().split())
+    examples = re.findall(r"`([^`]+)`", text.split("Not stores, for instance: ", 1)[1].split(". ", 1)[0])
+    assert len(examples) >= 4 and not any(is_store_name(name) for name in examples), examples
+    assert is_store_name(store_file_name(12, 34, 0))
+
+
+def test_migration_page_names_variables_and_hooks_that_exist() -> None:
+    from prometheus_client import values
+    from prometheus_client.metrics import Gauge
+
+    text = (REPO / "docs" / "migrating-from-prometheus-client.md").read_text()
+    ours = set(re.findall(r"\bNIXL_TELEMETRY_[A-Z_]+", text))
+    config = (REPO / "app" / "config.py").read_text()
+    assert ours >= {"NIXL_TELEMETRY_MULTIPROC_DIR", "NIXL_TELEMETRY_MP_STALE_TTL"}
+    assert sorted(v for v in ours if f'"{v}"' not in config) == []
+    assert "PROMETHEUS_MULTIPROC_DIR" in Path(values.__file__).read_text()  # what prometheus_client reads
+    assert "`mark_process_dead(pid)`" in text and "child_exit" in text
+    modes = {m for row in re.findall(r"^\| gauge (.*?) \|", text, re.M) for m in re.findall(r"`([a-z]+)`", row)}
+    assert modes >= {"all", "livesum", "max"} and modes <= Gauge._MULTIPROC_MODES, modes
+
+
+def test_migration_pages_example_serves_nixls_series_beside_your_own(tmp_path: Path) -> None:
+    from store import EventType, StoreIdentity, StoreWriter
+
+    text = (REPO / "docs" / "migrating-from-prometheus-client.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    directory = tmp_path / "mp"
+    directory.mkdir(mode=0o700)
+    writer = StoreWriter(directory, StoreIdentity("agent-doc", "host-a", "0", 0, (10.0,)))
+    try:
+        writer.record(EventType.AGENT_TX_BYTES, 4096)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NIXL_", "PROMETHEUS_"))}
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                              env={**env, "NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "PYTHONPATH": str(REPO)})
+    finally:
+        writer.close()
+    assert done.returncode == 0, done.stderr
+    assert "my_requests_served_total 1.0" in done.stdout, done.stdout
+    assert re.search(r'^agent_tx_bytes_total\{[^}]*agent_name="agent-doc"[^}]*\} 4096\.0$', done.stdout, re.M), \
+        done.stdout

@@ -60,6 +60,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def clean_copy(parent: Path) -> Path:
+    """The checkout without its build products, as ``parent/src``: what a fresh clone builds from.
+
+    Building in the checkout would not do: setuptools adds every file an existing *.egg-info's SOURCES.txt
+    lists (the editable installation's) to the sdist, whatever MANIFEST.in says.
+    """
+    src = parent / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "*.so",
+                                                             "__pycache__", ".*_cache", ".hypothesis"))
+    return src
+
+
 # -- python -m build -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class Dists:
 @pytest.fixture(scope="session")
 def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
     out = tmp_path_factory.mktemp("dist")
-    run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)])
+    run([sys.executable, "-m", "build", "--outdir", str(out), str(clean_copy(tmp_path_factory.mktemp("source")))])
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
     return Dists(sdist, wheel)
@@ -103,6 +115,12 @@ def test_sdist_holds_every_source_the_wheel_is_built_from(dists: Dists) -> None:
     for package in PACKAGES:  # the optional C speedups' sources included, so the sdist builds them
         wanted += [str(p.relative_to(REPO)) for p in (REPO / package).iterdir()
                    if p.suffix in {".py", ".c", ".h", ".typed"}]
+    # And what the docs and the tests use: examples/ (docs/cpp-interop.md runs it), the pages, the manifests, the
+    # bench and the tests themselves.
+    for folder in ("examples", "docs", "deploy", "bench", "tests"):
+        wanted += [str(p.relative_to(REPO)) for p in (REPO / folder).rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")]
+    assert "examples/cpp_agents.py" in wanted
     assert sorted(set(wanted) - names) == []
 
 
@@ -118,9 +136,7 @@ def test_sdist_carries_the_c_speedups_and_its_wheel_compiles_them(tmp_path: Path
     """A store/_*.c source (a stand-in module here) goes into the sdist, and the wheel built from it has it compiled."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: setup.py builds the pure-Python package only (its own warning says so)")
-    src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "*.so",
-                                                             "__pycache__", ".*_cache", ".hypothesis"))
+    src = clean_copy(tmp_path)
     (src / "store" / "_packaging_probe.c").write_text(PROBE_C)
     run([sys.executable, "-m", "build", "--outdir", str(tmp_path / "dist"), str(src)])
     (sdist,) = (tmp_path / "dist").glob("*.tar.gz")

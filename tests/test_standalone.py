@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import shutil
 import signal
 import ssl
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from support_e2e import (
+    REPO,
     by_rank,
     children_of,
     expected,
@@ -365,6 +367,14 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
             scrape(ssl.create_default_context())
         with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
             http_get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+        # A second aggregator waits, naming the TLS holder as the page says (it asks /healthz over plain HTTP).
+        page = " ".join((REPO / "docs" / "operations.md").read_text().split())
+        quoted = re.search(r"names a TLS holder by the pid of its lock: `pid N \(([^)`]*)\)`", page)
+        assert quoted is not None, "docs/operations.md no longer says how a TLS holder is named"
+        waiting = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        line = waiting.wait_line(lambda s: "holds the owner election" in s, 20)
+        assert re.search(rf"pid \d+ \({re.escape(quoted.group(1))}\) holds the owner election", line), line
 
 
 def test_hup_replaces_the_workers_and_the_master_keeps_the_election(tmp_path: Path) -> None:
