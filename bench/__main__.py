@@ -39,7 +39,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--ranks", default=None, help="rank counts for the scrape (default 8,64,256,1024)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run that the bench works: 8 ranks, few short repeats (about 15 s; its "
+                        help="a smoke run that the bench works: 8 ranks, few short repeats (about 30 s; its "
                              "figures are too noisy to judge the targets by)")
     parser.add_argument("--check", action="store_true",
                         help="exit with status 1 when a target is NOT met (after printing the whole report)")
