@@ -45,8 +45,15 @@ class CliError(Exception):
     """
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignals:
-    """SIGTERM and SIGINT as a flag plus a byte on a self-pipe, for the main thread.
+    """SIGTERM, SIGINT and SIGHUP as a flag plus a byte on a self-pipe, for the main thread.
+
+    SIGHUP is a stop too: a closed terminal must not end a command by the
+    default action, which skips its clean-up (a demo would leave its
+    temporary directory behind, a rank its store, serve its election).
 
     The handler does nothing else.  It runs between two bytecodes of the
     main thread, which may be inside threading.Event.wait(), or inside an
@@ -60,7 +67,7 @@ class StopSignals:
         self._read, self._write = os.pipe()
         for fd in (self._read, self._write):
             os.set_blocking(fd, False)  # a full pipe already holds a pending wake-up
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: object) -> None:
         self.signum = signum
@@ -87,6 +94,9 @@ RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts rank
 DEMO_PORT = 9111  # not 9090, which a Prometheus on the same host listens on by default
 OWNER_WAIT_S = 20.0  # for the first demo rank to serve: imports on a loaded host take seconds
 RANK_STOP_S = 10.0  # for the ranks to close their stores after SIGTERM, before SIGKILL
+# A rank ended by one of these crashed by itself; any other signal was sent to it (kill, the OOM killer).
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
+                           signal.SIGSYS})
 
 
 def _demo_rank(args: argparse.Namespace) -> int:
@@ -145,6 +155,52 @@ class _Totals:
                 f"http://127.0.0.1:{self.port}/metrics")
 
 
+def _show(text: str, end: str = "\n") -> None:
+    """Print a line of the demo's progress, unless its terminal has hung up.
+
+    Writing to a terminal that went away fails with EIO, and may do so
+    before its SIGHUP is handled: then stop as that signal does, without a
+    traceback, and send the rest (stdout's unwritten buffer too) nowhere.
+    """
+    try:
+        print(text, end=end, flush=True)
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        sys.stdout = open(os.devnull, "w")  # for the rest of the process: the terminal is gone
+        signal.raise_signal(signal.SIGHUP)
+
+
+def _ending(status: int) -> str:
+    """A rank's exit status in words: "exited with status 3", "was killed by SIGKILL"."""
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        return f"was killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"was killed by signal {-status}"
+
+
+def _is_failure(status: int) -> bool:
+    """A rank's own failure; a rank someone killed (kill -9 of the serving rank, say) is not the demo's."""
+    return status > 0 or (status < 0 and -status in CRASH_SIGNALS)
+
+
+def _report_ended(procs: list[subprocess.Popen[bytes]], reported: dict[int, str], interactive: bool) -> None:
+    """A line for each rank that ended other than cleanly since the last call, kept in ``reported``."""
+    for rank, p in enumerate(procs):
+        if p.poll() and rank not in reported:
+            reported[rank] = f"rank {rank} (pid {p.pid}) {_ending(p.returncode)}"
+            _show(("\n" if interactive else "") + reported[rank])
+
+
+def _failures(procs: list[subprocess.Popen[bytes]], reported: dict[int, str]) -> None:
+    """CliError naming the reported ranks that failed by themselves."""
+    failed = [line for rank, line in reported.items() if _is_failure(procs[rank].returncode)]
+    if failed:
+        raise CliError(f"{len(failed)} of {len(procs)} demo ranks failed: {', '.join(failed)}")
+
+
 def _port_holders(port: int) -> str:
     """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
     inodes: set[str] = set()
@@ -200,7 +256,7 @@ def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSig
     deadline = time.monotonic() + OWNER_WAIT_S
     while not stop.wait(0.1):
         if all(p.poll() is not None for p in procs):
-            raise CliError(f"every demo rank exited before serving (exit status {procs[0].returncode})")
+            raise CliError(f"every demo rank ended before serving: rank 0 {_ending(procs[0].returncode)}")
         owner = _healthz_owner_pid(port)
         if owner in pids:
             return owner
@@ -241,7 +297,7 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
     # before any directory is created (the temporary one has no name yet).
     Config.from_env({**env, DIR_ENV: str(chosen or tempfile.gettempdir())})
     if chosen:
-        prepare_directory(chosen)
+        prepare_directory(chosen, "--dir")  # the user named the directory with the flag, not the variable
     directory = chosen or Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
     env[DIR_ENV] = str(directory)
     procs: list[subprocess.Popen[bytes]] = []
@@ -258,19 +314,23 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
         owner = _serving_rank(args.port, procs, stop)
         if owner is None:
             return 0
-        print(f"{args.ranks} ranks recording into {directory}; rank pid {owner} serves "
-              f"http://127.0.0.1:{args.port}/metrics and /healthz (Ctrl-C to stop)", flush=True)
+        _show(f"{args.ranks} ranks recording into {directory}; rank pid {owner} serves "
+              f"http://127.0.0.1:{args.port}/metrics and /healthz (Ctrl-C to stop)")
         totals = _Totals(directory, args.port, started)
+        reported: dict[int, str] = {}  # rank -> how it ended, for every rank that did not end cleanly
         while any(p.poll() is None for p in procs):
+            _report_ended(procs, reported, interactive)
             line = totals.line()
-            print(f"\r{line}  " if interactive else line, end="" if interactive else "\n", flush=True)
+            _show(f"\r{line}  " if interactive else line, end="" if interactive else "\n")
             if stop.wait(1.0):
-                print("\nstopping the ranks" if interactive else "stopping the ranks", flush=True)
+                if stop.signum != signal.SIGHUP:  # nobody reads it after a hang-up
+                    _show("\nstopping the ranks" if interactive else "stopping the ranks")
+                # Only what ended before the stop: the stop itself ends the ranks.
+                _failures(procs, reported)
                 return 0
-        print(("\n" if interactive else "") + totals.line(), flush=True)
-        failed = [p.returncode for p in procs if p.returncode]
-        if failed:
-            raise CliError(f"{len(failed)} demo rank(s) failed (exit status {failed[0]})")
+        _report_ended(procs, reported, interactive)
+        _show(("\n" if interactive else "") + totals.line())
+        _failures(procs, reported)
         return 0
     finally:
         _stop_ranks(procs)

@@ -195,8 +195,11 @@ class Config:
         )
 
 
-def prepare_directory(directory: Path) -> list[str]:
+def prepare_directory(directory: Path, setting: str = DIR_ENV) -> list[str]:
     """Create the directory 0700 if missing; return warnings about an existing one.
+
+    ``setting`` is what the messages name as the directory's source: the
+    variable, or the command-line flag the user gave it with.
 
     An existing directory is left as it is: it may be a Kubernetes emptyDir
     whose mode the operator chose.
@@ -207,45 +210,45 @@ def prepare_directory(directory: Path) -> list[str]:
     except FileExistsError:
         pass
     except OSError as exc:
-        raise ConfigError(f"{DIR_ENV}={str(directory)!r} cannot be created: {os.strerror(exc.errno or 0)}") from None
-    problems = directory_warnings(directory)
+        raise ConfigError(f"{setting}={str(directory)!r} cannot be created: {os.strerror(exc.errno or 0)}") from None
+    problems = directory_warnings(directory, setting)
     # Checked up front so that a directory this user cannot write is one
     # named error, not a PermissionError from deep inside store creation.
     if not os.access(directory, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
-        raise unwritable_directory(directory, errno.EACCES)
+        raise unwritable_directory(directory, errno.EACCES, setting)
     return problems
 
 
-def unwritable_directory(directory: Path, error: int) -> ConfigError:
+def unwritable_directory(directory: Path, error: int, setting: str = DIR_ENV) -> ConfigError:
     """The ConfigError for a directory this process may not create files in (EACCES, EPERM, EROFS)."""
     try:
         st = os.stat(directory)
         read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError:
-        return ConfigError(f"{DIR_ENV}={str(directory)!r} is not writable: {os.strerror(error)}")
+        return ConfigError(f"{setting}={str(directory)!r} is not writable: {os.strerror(error)}")
     if read_only or error == errno.EROFS:
         reason = "it is on a read-only file system"
     else:
         reason = (f"{os.strerror(error).lower()} for uid {os.geteuid()} (the directory is owned by uid "
                   f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})")
-    return ConfigError(f"{DIR_ENV}={str(directory)!r} is not writable: {reason}; use a directory the run's user "
+    return ConfigError(f"{setting}={str(directory)!r} is not writable: {reason}; use a directory the run's user "
                        "can write")
 
 
-def directory_warnings(directory: Path) -> list[str]:
+def directory_warnings(directory: Path, setting: str = DIR_ENV) -> list[str]:
     """Why a directory is not private to this user (empty when it is)."""
     try:
         st = os.stat(directory)
     except OSError as exc:
-        raise ConfigError(f"{DIR_ENV}={str(directory)!r} is not accessible: {os.strerror(exc.errno or 0)}") from None
+        raise ConfigError(f"{setting}={str(directory)!r} is not accessible: {os.strerror(exc.errno or 0)}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{DIR_ENV}={str(directory)!r} is not a directory")
+        raise ConfigError(f"{setting}={str(directory)!r} is not a directory")
     problems = []
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         problems.append(f"{directory} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}): another "
                         "user could plant files the owner would read, truncate or unlink; use a private 0700 "
-                        f"directory for {DIR_ENV}")
+                        f"directory for {setting}")
     if st.st_uid != os.geteuid():
         problems.append(f"{directory} is owned by uid {st.st_uid}, not this process's uid {os.geteuid()}: "
-                        f"use a directory owned by the run's user for {DIR_ENV}")
+                        f"use a directory owned by the run's user for {setting}")
     return problems

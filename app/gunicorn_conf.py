@@ -13,6 +13,7 @@ hook, and prints a traceback for anything else.
 """
 
 import logging
+import os
 import sys
 from typing import NoReturn
 
@@ -55,6 +56,11 @@ timeout = 30
 graceful_timeout = 5
 accesslog = None
 control_socket_disable = True  # gunicorn >= 25: no gunicorn.ctl in $HOME (nor a thread in the master)
+# Each worker's heartbeat file goes in the temporary directory by default, which a container with
+# readOnlyRootFilesystem has none of ("No usable temporary directory found"): /dev/shm, gunicorn's
+# documented answer, is the runtime's own tmpfs there. Elsewhere, without it, gunicorn's default stays.
+if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+    worker_tmp_dir = "/dev/shm"
 
 
 def on_starting(server):

@@ -42,13 +42,14 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.worker", kind, *args], cwd=ROOT, env=worker_env(env),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.hello = self._read()
+        self.hello = self.receive()
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def _read(self) -> dict[str, Any]:
+    def receive(self) -> dict[str, Any]:
+        """The worker's next reply (to a command sent with send())."""
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -59,11 +60,15 @@ class Worker:
             raise RuntimeError(f"worker {self.kind}: {reply['error']}")
         return reply
 
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
+    def send(self, op: str, **args: Any) -> None:
+        """A command whose reply is read later (receive()), for a worker that answers only once it is done."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
-        return self._read()
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.receive()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -140,6 +145,15 @@ def read_status_kib(pid: int | str, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited: no longer in /proc, or a zombie (dead, its parent not having reaped it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
 
 
 def filesystem_of(path: Path) -> str:

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
+import json
 import os
 import random
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from app.config import SERVE_ENV, SERVE_MODES
 from bench.common import (
     PROMETHEUS_HEADERS,
     Worker,
@@ -24,12 +28,13 @@ from bench.common import (
     free_port,
     http_get,
     log,
+    process_gone,
     read_status_kib,
     sample_lines,
     timed_get,
 )
-from store import native
-from store.native import PURE_PYTHON_ENV
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,8 +51,17 @@ class Settings:
     plugin_repeats: int = 11
     busy_repeats: int = 9
     busy_ranks: tuple[int, ...] = (8, 64, 256)
+    # Each busy repetition scrapes every busy_scrape_every_s for busy_window_s, then leaves the rank alone as long.
+    busy_window_s: float = 0.4
+    busy_scrape_every_s: float = 0.05
     takeover_repeats: int = 9
-    takeover_rate: float = 10.0
+    takeover_rate: float = 10.0  # events/s of the rank that takes over, and of the "recording" rank of respawn
+    frozen_repeats: int = 3
+    frozen_hold_s: float = 4.0  # the rank's C call holding its GIL
+    frozen_stop_s: float = 2.0  # the rank's SIGSTOP
+    frozen_scrape_every_s: float = 0.1
+    respawn_repeats: int = 9
+    respawn_scrape_every_s: float = 0.01
     tmp: str | None = None
 
 
@@ -57,12 +71,21 @@ class Results:
     threads: dict[str, list[float]] = field(default_factory=dict)
     exact: dict[str, bool] = field(default_factory=dict)  # recorded totals matched what was sent
     scrape: dict[int, dict[str, Any]] = field(default_factory=dict)
-    takeover: list[float] = field(default_factory=list)
-    takeover_failures: int = 0
+    takeover: dict[str, list[float]] = field(default_factory=dict)  # by serving mode: seconds to the first 200
+    takeover_failures: dict[str, int] = field(default_factory=dict)
+    takeover_left: list[bool] = field(default_factory=list)  # the killed rank's helper still there 1 s after
     memory: dict[str, Any] = field(default_factory=dict)
     plugin: dict[int, dict[str, Any]] = field(default_factory=dict)
     plugin_missing: str | None = None  # why the plug-in rows are empty
     busy: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # By serving mode, "gil" and "stop": each repetition's worst scrape while the rank was frozen (inf: failed).
+    frozen: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # By rank ("recording", "idle"): seconds from the helper's SIGKILL to the first 200 ("served") and to a new
+    # helper serving ("helper").
+    respawn: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    respawn_failures: int = 0
+    helper_start: list[float] = field(default_factory=list)  # an Exporter's construction to its helper serving
+    helper_rss_kib: list[int] = field(default_factory=list)  # a helper serving one rank, after a scrape
     fs: str = "?"
 
 
@@ -76,9 +99,13 @@ def _tempdir(settings: Settings, tag: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _ours_env(directory: Path, port: int) -> dict[str, str]:
-    return {"NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
-            "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "LOCAL_RANK": "0"}
+def _ours_env(directory: Path, port: int, serve: str | None = None) -> dict[str, str]:
+    """A rank's environment; ``serve`` chooses how an elected rank serves (SERVE_MODES; None: the default)."""
+    env = {"NIXL_TELEMETRY_MULTIPROC_DIR": str(directory), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
+           "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "LOCAL_RANK": "0"}
+    if serve is not None:
+        env[SERVE_ENV] = serve
+    return env
 
 
 # -- a. and b. ----------------------------------------------------------------------------------------------
@@ -180,8 +207,8 @@ def _scrape_one(settings: Settings, count: int, srv_ours: Worker, srv_ref: Worke
     # In-process: batches of back-to-back calls (the first of each batch dropped: it pays for the caches
     # the pause before it cooled), ours and the reference's batches alternating.
     for rep in range(repeats if big else settings.inproc_repeats):
-        pair = [("inproc_ours", srv_ours, 6), ("inproc_ref", srv_ref, 2 if big else 6)]
-        for key, worker, k in pair if rep % 2 == 0 else pair[::-1]:
+        batches = [("inproc_ours", srv_ours, 6), ("inproc_ref", srv_ref, 2 if big else 6)]
+        for key, worker, k in batches if rep % 2 == 0 else batches[::-1]:
             entry[key] += worker.call("inproc", k=k)["seconds"][1:]
     return entry
 
@@ -205,58 +232,243 @@ def _memory(count: int, ours_files: list[str], ref_files: list[str], srv_ours: W
 
 # -- d. -----------------------------------------------------------------------------------------------------
 
-def _wait_serving(port: int, deadline_s: float, timeout_s: float = 0.25) -> float | None:
-    """Poll GET /metrics until it answers 200 (each GET given ``timeout_s``); seconds waited, or None past the
-    deadline."""
-    start = time.perf_counter()
+_UNANSWERED = (OSError, http.client.HTTPException, ValueError)  # refused, cut, timed out, or a garbled answer
+
+
+def _poll_until(check: Callable[[], T | None], deadline_s: float, interval_s: float) -> tuple[float, T] | None:
+    """Call ``check`` every ``interval_s`` until it returns something (a failed request counts as nothing);
+    (the monotonic time it did, what it returned), or None past the deadline."""
+    start = time.monotonic()
     while True:
-        try:
-            status, _ = http_get(port, timeout=timeout_s)
-            if status == 200:
-                return time.perf_counter() - start
-        except OSError:
-            pass
-        if time.perf_counter() - start > deadline_s:
+        with contextlib.suppress(*_UNANSWERED):
+            found = check()
+            if found is not None:
+                return time.monotonic(), found
+        if time.monotonic() - start > deadline_s:
             return None
-        time.sleep(0.001)
+        time.sleep(interval_s)
+
+
+def _wait_serving(port: int, deadline_s: float, timeout_s: float = 0.25, interval_s: float = 0.001,
+                  gone: int | None = None) -> float | None:
+    """Poll GET /metrics until it answers 200 (each GET given ``timeout_s``); seconds waited, or None past the
+    deadline.  With ``gone``, only GETs sent once that process has exited count (a killed rank's helper answers
+    until it notices its rank's death: its answers are not the takeover's)."""
+    def served() -> bool | None:
+        if gone is not None and not process_gone(gone):
+            return None
+        return http_get(port, timeout=timeout_s)[0] == 200 or None
+
+    start = time.monotonic()
+    done = _poll_until(served, deadline_s, interval_s)
+    return None if done is None else done[0] - start
+
+
+def _owner(port: int) -> dict[str, Any]:
+    """/healthz's owner: who holds the address (pid), which process answers (server_pid), how (serving)."""
+    status, body = http_get(port, "/healthz", timeout=1.0)
+    if status != 200:
+        raise ValueError(f"GET /healthz answered {status}")
+    owner: dict[str, Any] = json.loads(body)["owner"]
+    return owner
+
+
+def _await_helper(results: Results, rank: Worker, port: int) -> int:
+    """Wait until ``rank``'s serving helper answers its address; the helper's pid.  Records the helper's start
+    time: from just before the rank constructed its Exporter to /healthz first saying serving == helper."""
+    def helper() -> int | None:
+        doc = _owner(port)
+        return int(doc["server_pid"]) if doc["serving"] == "helper" and doc["pid"] == rank.pid else None
+
+    done = _poll_until(helper, 30, 0.01)
+    if done is None:
+        raise RuntimeError(f"rank {rank.pid} never served from a helper")
+    results.helper_start.append(done[0] - rank.hello["constructing"])
+    return done[1]
+
+
+def _stop_all(workers: list[Worker]) -> None:
+    """Kill what the scenario started and is still running (the rank workers run until killed), and reap it."""
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.proc.wait(timeout=10)
 
 
 def takeover(settings: Settings, results: Results) -> None:
-    """SIGKILL the owner; seconds until a writer exporting ``rate`` events/s serves /metrics."""
+    """SIGKILL the serving rank; seconds until a writer exporting ``rate`` events/s serves /metrics, in each
+    serving mode (alternating).  In helper mode, also whether the killed rank's helper is gone 1 s after."""
     rng = random.Random(7)
     for rep in range(settings.takeover_repeats):
-        with _tempdir(settings, "takeover") as directory:
-            env = _ours_env(directory, free_port())
-            port = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])
-            owner = Worker("rank", env, str(settings.takeover_rate))
-            writer = None
+        for mode in SERVE_MODES if rep % 2 == 0 else SERVE_MODES[::-1]:
+            with _tempdir(settings, f"takeover-{mode}") as directory:
+                _takeover_one(settings, results, rng, mode, directory)
+        log(f"takeover {rep + 1}/{settings.takeover_repeats}: " + ", ".join(
+            f"{mode} {results.takeover[mode][-1] * 1e3:.0f} ms" for mode in SERVE_MODES if results.takeover.get(mode)))
+
+
+def _takeover_one(settings: Settings, results: Results, rng: random.Random, mode: str, directory: Path) -> None:
+    env = _ours_env(directory, free_port(), mode)
+    port = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])
+    workers: list[Worker] = []
+    try:
+        owner = Worker("rank", env, str(settings.takeover_rate))
+        workers.append(owner)
+        if not owner.hello["serving"]:
+            raise RuntimeError("the first rank did not win the election")
+        writer = Worker("rank", env, str(settings.takeover_rate))
+        workers.append(writer)
+        if writer.hello["serving"]:
+            raise RuntimeError("the second rank serves too")
+        helper = _await_helper(results, owner, port) if mode == "helper" else None
+        if _wait_serving(port, 10) is None:
+            raise RuntimeError("the owner never served")
+        # Kill at a random phase of the writer's export/claim cycle.
+        time.sleep(0.5 + rng.random() * 0.5)
+        os.kill(owner.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        waited = _wait_serving(port, 10, gone=helper)
+        owner.proc.wait()
+        if waited is None:
+            results.takeover_failures[mode] = results.takeover_failures.get(mode, 0) + 1
+            log(f"takeover ({mode}): no owner within 10 s")
+        else:
+            results.takeover.setdefault(mode, []).append(waited)
+        if helper is not None:
+            time.sleep(max(0.0, killed + 1.0 - time.monotonic()))
+            results.takeover_left.append(not process_gone(helper))
+    finally:
+        _stop_all(workers)
+
+
+# -- g. and h.: the serving rank frozen; its helper killed alone ----------------------------------------------
+
+@contextlib.contextmanager
+def _scraping(ports: dict[str, int], every_s: float,
+              timeout_s: float) -> Iterator[dict[str, list[tuple[float, float]]]]:
+    """Scrape each port every ``every_s`` from a thread of its own (a scrape held up must not hold up the other
+    port's) until the block ends; per key, (monotonic start, seconds) of every scrape, inf for a failed one."""
+    scrapes: dict[str, list[tuple[float, float]]] = {key: [] for key in ports}
+    stop = threading.Event()
+
+    def scrape(key: str, port: int) -> None:
+        while not stop.is_set():
+            start = time.monotonic()
             try:
-                if not owner.hello["serving"]:
-                    raise RuntimeError("the first rank did not win the election")
-                writer = Worker("rank", env, str(settings.takeover_rate))
-                if writer.hello["serving"]:
-                    raise RuntimeError("the second rank serves too")
-                if _wait_serving(port, 10) is None:
-                    raise RuntimeError("the owner never served")
-                # Kill at a random phase of the writer's export/claim cycle.
-                time.sleep(0.5 + rng.random() * 0.5)
-                os.kill(owner.pid, signal.SIGKILL)
-                waited = _wait_serving(port, 10)
-                owner.proc.wait()
-                if waited is None:
-                    results.takeover_failures += 1
-                    log(f"takeover {rep + 1}: no owner within 10 s")
-                else:
-                    results.takeover.append(waited)
-                    log(f"takeover {rep + 1}/{settings.takeover_repeats}: {waited * 1e3:.0f} ms "
-                        f"(writer serving: {writer.call('status')['serving']})")
-            finally:
-                for worker in (writer, owner):
-                    if worker is not None and worker.proc.poll() is None:
-                        worker.proc.kill()
-                    if worker is not None:
-                        with contextlib.suppress(subprocess.TimeoutExpired):
-                            worker.proc.wait(timeout=10)
+                scrapes[key].append((start, timed_get(port, PROMETHEUS_HEADERS)[0]))
+            except (*_UNANSWERED, RuntimeError):  # (RuntimeError: not a 200)
+                scrapes[key].append((start, float("inf")))
+            stop.wait(max(0.0, start + every_s - time.monotonic()))
+
+    threads = [threading.Thread(target=scrape, args=item, daemon=True) for item in ports.items()]
+    for thread in threads:
+        thread.start()
+    try:
+        yield scrapes
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout_s + 1)
+
+
+def _worst(scrapes: list[tuple[float, float]], start: float, end: float) -> float:
+    """The slowest scrape under way at some time in [start, end] (one that began before and waited through it
+    included)."""
+    return max((seconds for began, seconds in scrapes if began <= end and began + seconds >= start),
+               default=float("nan"))
+
+
+def frozen(settings: Settings, results: Results) -> None:
+    """The worst scrape while the serving rank keeps its GIL in a long C call, and while it is SIGSTOPped.
+
+    A rank in each serving mode (each exporting ``takeover_rate`` events/s over its own directory) is frozen
+    at the same time as the other, each scraped every ``frozen_scrape_every_s`` from a thread of this process.
+    """
+    rng = random.Random(11)
+    for rep in range(settings.frozen_repeats):
+        with contextlib.ExitStack() as stack:
+            ranks: dict[str, tuple[Worker, int]] = {}
+            for mode in SERVE_MODES:
+                directory = stack.enter_context(_tempdir(settings, f"frozen-{mode}"))
+                port = free_port()
+                worker = Worker("rank", _ours_env(directory, port, mode), str(settings.takeover_rate))
+                stack.callback(_stop_all, [worker])
+                if not worker.hello["serving"]:
+                    raise RuntimeError(f"the {mode} rank did not win the election")
+                if mode == "helper":
+                    _await_helper(results, worker, port)
+                timed_get(port, PROMETHEUS_HEADERS)  # warm-up
+                ranks[mode] = (worker, port)
+            ports = {mode: port for mode, (_, port) in ranks.items()}
+            timeout_s = max(settings.frozen_hold_s, settings.frozen_stop_s) + 5
+            with _scraping(ports, settings.frozen_scrape_every_s, timeout_s) as scrapes:
+                time.sleep(settings.frozen_scrape_every_s * rng.random())  # at any phase of the scrapes
+                for worker, _ in ranks.values():
+                    worker.send("hold_gil", us=int(settings.frozen_hold_s * 1e6))
+                held = {mode: worker.receive() for mode, (worker, _) in ranks.items()}
+            for mode in SERVE_MODES:
+                worst = _worst(scrapes[mode], held[mode]["start"], held[mode]["end"])
+                results.frozen.setdefault(mode, {}).setdefault("gil", []).append(worst)
+            with _scraping(ports, settings.frozen_scrape_every_s, timeout_s) as scrapes:
+                time.sleep(settings.frozen_scrape_every_s * rng.random())
+                start = time.monotonic()
+                for worker, _ in ranks.values():
+                    os.kill(worker.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(settings.frozen_stop_s)
+                finally:
+                    for worker, _ in ranks.values():
+                        os.kill(worker.pid, signal.SIGCONT)
+                end = time.monotonic()
+            for mode in SERVE_MODES:
+                results.frozen[mode].setdefault("stop", []).append(_worst(scrapes[mode], start, end))
+        log(f"frozen {rep + 1}/{settings.frozen_repeats}: worst scrape (GIL held / stopped) " + ", ".join(
+            f"{mode} {results.frozen[mode]['gil'][-1]:.3f} / {results.frozen[mode]['stop'][-1]:.3f} s"
+            for mode in SERVE_MODES))
+
+
+def respawn(settings: Settings, results: Results) -> None:
+    """SIGKILL a rank's serving helper alone: seconds until the address answers 200 again (scraped every
+    ``respawn_scrape_every_s``) and until a new helper serves it, for a rank recording ``takeover_rate``
+    events/s and for an idle one (alternating).  Also the helper's RSS serving one rank, after a scrape."""
+    kinds = {"recording": settings.takeover_rate, "idle": 0.0}
+    for rep in range(settings.respawn_repeats):
+        for kind, rate in kinds.items() if rep % 2 == 0 else reversed(kinds.items()):
+            with _tempdir(settings, f"respawn-{kind}") as directory:
+                port = free_port()
+                rank = Worker("rank", _ours_env(directory, port, "helper"), str(rate))
+                try:
+                    _respawn_one(settings, results, kind, rank, port)
+                finally:
+                    _stop_all([rank])
+        log(f"respawn {rep + 1}/{settings.respawn_repeats}: served again / new helper " + ", ".join(
+            f"{kind} {entry['served'][-1] * 1e3:.0f} / {entry['helper'][-1] * 1e3:.0f} ms"
+            for kind, entry in results.respawn.items() if entry["helper"]))
+
+
+def _respawn_one(settings: Settings, results: Results, kind: str, rank: Worker, port: int) -> None:
+    if not rank.hello["serving"]:
+        raise RuntimeError("the rank did not win the election")
+    helper = _await_helper(results, rank, port)
+    timed_get(port, PROMETHEUS_HEADERS)
+    results.helper_rss_kib.append(read_status_kib(helper, "VmRSS"))
+    os.kill(helper, signal.SIGKILL)
+    killed = time.monotonic()
+    served = _wait_serving(port, 10, interval_s=settings.respawn_scrape_every_s)
+
+    def new_helper() -> int | None:
+        doc = _owner(port)
+        return 1 if doc["serving"] == "helper" and doc["server_pid"] not in (helper, rank.pid) else None
+
+    replaced = _poll_until(new_helper, 30, settings.respawn_scrape_every_s)
+    if served is None or replaced is None:
+        results.respawn_failures += 1
+        log(f"respawn ({kind}): {'not served again' if served is None else 'no new helper'} within the deadline")
+        return
+    entry = results.respawn.setdefault(kind, {"served": [], "helper": []})
+    entry["served"].append(served)
+    entry["helper"].append(replaced[0] - killed)
 
 
 # -- f. -----------------------------------------------------------------------------------------------------
@@ -314,38 +526,46 @@ def _plugin_one(settings: Settings, count: int, ours_port: int, cpp_port: int) -
 
 
 def busy(settings: Settings, results: Results) -> None:
-    """Our in-process owner's scrape while one thread of its rank records flat out, vs the same owner idle.
+    """The serving rank's scrape while one thread of it records flat out, vs the same rank idle, in each
+    serving mode (their repetitions interleaved, each over its own directory of the same size).
 
-    Idle and busy scrapes alternate; for each busy one, the owner reports the longest gap its recording
-    loop saw during the scrape (the GIL taken away from the rank).  Where the C speedups are built, a second
-    owner forced onto the pure-Python path (NIXL_PROMETHEUS_MP_PURE_PYTHON=1) runs beside it, each over
-    its own directory of the same size, their scrapes interleaved.
+    Each repetition: one idle scrape; then, the rank recording, a window of busy_window_s with a scrape every
+    busy_scrape_every_s, followed by an equal window without; the rank reports its recording loop's longest gap
+    (the GIL taken away from it, or the CPU) in each window.
     """
-    paths = {"c": {}, "python": {PURE_PYTHON_ENV: "1"}} if native.load("_scan") is not None else \
-        {"python": {PURE_PYTHON_ENV: "1"}}
     for count in (c for c in settings.busy_ranks if not settings.ranks or c <= max(settings.ranks)):
-        log(f"busy owner {count} ranks ({' and '.join(paths)} speedups)")
+        log(f"busy owner {count} ranks ({' and '.join(SERVE_MODES)} serving)")
         with contextlib.ExitStack() as stack:
-            owners = []
-            for path, extra in paths.items():
-                directory = stack.enter_context(_tempdir(settings, f"busy-{path}-{count}"))
+            owners, helper = [], 0
+            for mode in SERVE_MODES:
+                directory = stack.enter_context(_tempdir(settings, f"busy-{mode}-{count}"))
                 port = free_port()
                 stack.enter_context(Worker("fill-ours", None, str(count - 1), str(directory)))
-                owner = stack.enter_context(Worker("busy-owner", {**_ours_env(directory, port), **extra}))
+                owner = stack.enter_context(Worker("busy-owner", _ours_env(directory, port, mode)))
                 if not owner.hello["serving"]:
                     raise RuntimeError("the busy owner did not win the election")
+                if mode == "helper":
+                    helper = _await_helper(results, owner, port)
                 timed_get(port, PROMETHEUS_HEADERS)  # warm-up
-                owners.append((path, owner, port))
-            entry: dict[str, Any] = {f"{kind}_{path}": [] for path in paths for kind in ("idle", "busy", "stall")}
+                owners.append((mode, owner, port))
+            entry: dict[str, Any] = {f"{kind}_{mode}": [] for mode in SERVE_MODES
+                                     for kind in ("idle", "busy", "stall", "quiet")}
             for rep in range(settings.busy_repeats):
-                for path, owner, port in owners if rep % 2 == 0 else owners[::-1]:
-                    entry[f"idle_{path}"].append(timed_get(port, PROMETHEUS_HEADERS)[0])
+                for mode, owner, port in owners if rep % 2 == 0 else owners[::-1]:
+                    entry[f"idle_{mode}"].append(timed_get(port, PROMETHEUS_HEADERS)[0])
                     owner.call("busy")
-                    time.sleep(0.05)  # the loop is running flat out before the scrape starts
-                    start = time.monotonic()
-                    entry[f"busy_{path}"].append(timed_get(port, PROMETHEUS_HEADERS)[0])
+                    time.sleep(0.05)  # the loop is running flat out before the window starts
+                    start = due = time.monotonic()
+                    while due < start + settings.busy_window_s:
+                        entry[f"busy_{mode}"].append(timed_get(port, PROMETHEUS_HEADERS)[0])
+                        due += settings.busy_scrape_every_s
+                        time.sleep(max(0.0, due - time.monotonic()))
                     end = time.monotonic()
-                    entry[f"stall_{path}"].append(owner.call("stall", start=start, end=end)["seconds"])
+                    time.sleep(end - start)
+                    quiet_end = time.monotonic()
+                    entry[f"stall_{mode}"].append(owner.call("stall", start=start, end=end)["seconds"])
+                    entry[f"quiet_{mode}"].append(owner.call("stall", start=end, end=quiet_end)["seconds"])
                     owner.call("idle")
                     time.sleep(0.02)
+            entry["helper_rss_kib"] = read_status_kib(helper, "VmRSS")
             results.busy[count] = entry

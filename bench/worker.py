@@ -324,6 +324,7 @@ def busy_owner() -> tuple[dict[str, Any], Handler]:
     """
     from app import Exporter
 
+    constructing = time.monotonic()
     exp = Exporter(f"busy-{os.getpid()}")
     record_transfer = exp.record_transfer
     running = threading.Event()
@@ -352,32 +353,45 @@ def busy_owner() -> tuple[dict[str, Any], Handler]:
             return {"seconds": max((b - a for a, b in gaps if b > start and a < end), default=0.0)}
         return {"serving": exp.serving}
 
-    return {"serving": exp.serving, "pid": os.getpid()}, handle
+    return {"serving": exp.serving, "pid": os.getpid(), "constructing": constructing}, handle
 
 
 # -- d.: a rank for the takeover ---------------------------------------------------------------------------
 
 def rank(rate: float) -> tuple[dict[str, Any], Handler]:
-    """An Exporter exporting ``rate`` events per second from a background thread until killed."""
+    """An Exporter exporting ``rate`` events per second (none if 0) from a background thread until killed.
+
+    ``hold_gil`` makes the main thread keep the GIL in one C call of ``us`` microseconds (as some extensions
+    do), answered once it returns, with when it began and ended (CLOCK_MONOTONIC, the same in every process).
+    """
     from app import Exporter
     from store import EventType
 
+    constructing = time.monotonic()
     exp = Exporter(f"takeover-{os.getpid()}")
-    interval = 1.0 / rate
 
     def loop() -> None:
+        interval = 1.0 / rate
         due = time.monotonic()
         while True:
             exp.export_event(EventType.AGENT_TX_BYTES, 4096)
             due += interval
             time.sleep(max(0.0, due - time.monotonic()))
 
-    threading.Thread(target=loop, daemon=True).start()
+    if rate > 0:
+        threading.Thread(target=loop, daemon=True).start()
 
     def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "hold_gil":
+            import ctypes
+
+            usleep = ctypes.PyDLL(None).usleep  # PyDLL: the call keeps the GIL
+            start = time.monotonic()
+            usleep(int(cmd["us"]))
+            return {"start": start, "end": time.monotonic()}
         return {"serving": exp.serving}
 
-    return {"serving": exp.serving, "pid": os.getpid()}, handle
+    return {"serving": exp.serving, "pid": os.getpid(), "constructing": constructing}, handle
 
 
 KINDS: dict[str, Callable[..., tuple[dict[str, Any], Handler]]] = {

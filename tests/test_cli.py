@@ -7,6 +7,8 @@ traceback.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +17,10 @@ from pathlib import Path
 import pytest
 from support_e2e import (
     REPO,
+    Proc,
+    Reaper,
     by_rank,
+    children_of,
     expected,
     free_port,
     get_json,
@@ -77,6 +82,59 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
     assert any(line.startswith("ranks live 3 departed 0") for line in summaries), summaries
     assert summaries[-1].startswith("ranks live 0 departed 3 | transfers "), summaries
     assert "Traceback" not in demo.output
+
+
+def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int]:
+    """A demo of ``ranks`` ranks that ends by itself after a few seconds, and the pid of its serving rank."""
+    port = free_port()
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
+    # cwd: where a core dump of a crashed rank would land
+    demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--port", str(port), "--duration", "8", "--rate", "50"],
+                   env, cwd=tmp_path)
+    line = demo.wait_line(lambda line: "ranks recording into" in line, 30)
+    match = re.search(r"rank pid (\d+) serves", line)
+    assert match, line
+    return demo, int(match.group(1))
+
+
+def test_a_rank_the_user_kills_is_named_and_is_not_a_failure(tmp_path: Path) -> None:
+    """``kill -9`` of the serving rank, as the README invites, ended the demo in "error: 1 demo rank(s) failed"."""
+    with reaper() as r:
+        demo, owner = timed_demo(r, tmp_path, ranks=3)
+        os.kill(owner, signal.SIGKILL)
+        assert demo.popen.wait(timeout=30) == 0, demo.output
+    assert re.search(rf"^rank [0-2] \(pid {owner}\) was killed by SIGKILL$", demo.output, re.M), demo.output
+    assert "error:" not in demo.output and "Traceback" not in demo.output, demo.output
+    assert demo.output.splitlines()[-1].startswith("ranks live 0 departed 3 | "), demo.output
+
+
+def test_a_rank_that_crashes_fails_the_demo_naming_the_signal(tmp_path: Path) -> None:
+    with reaper() as r:
+        demo, owner = timed_demo(r, tmp_path, ranks=2)
+        (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
+        os.kill(victim, signal.SIGSEGV)  # what a crash in native code would end the rank with
+        assert demo.popen.wait(timeout=30) == 1, demo.output
+    errors = [line for line in demo.output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and re.fullmatch(rf"nixl-prometheus-mp: error: 1 of 2 demo ranks failed: rank [01] "
+                                             rf"\(pid {victim}\) was killed by SIGSEGV", errors[0]), demo.output
+    assert "Traceback" not in demo.output
+
+
+def test_a_crash_before_ctrl_c_still_fails_the_demo(tmp_path: Path) -> None:
+    """The stop ends every rank; what ended before it is still reported, a crash as the demo's failure."""
+    port = free_port()
+    with reaper() as r:
+        demo = r.start([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
+                       rank_env(tmp_path / "mp", port), cwd=tmp_path)
+        owner = int(demo.wait_line(lambda line: "ranks recording into" in line, 30).split("rank pid ")[1].split()[0])
+        (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
+        os.kill(victim, signal.SIGABRT)
+        demo.wait_line(lambda line: f"(pid {victim}) was killed by SIGABRT" in line, 15)
+        demo.killpg(signal.SIGINT)
+        assert demo.popen.wait(timeout=15) == 1, demo.output
+    assert re.fullmatch(rf"nixl-prometheus-mp: error: 1 of 2 demo ranks failed: rank [01] \(pid {victim}\) was "
+                        "killed by SIGABRT", demo.output.splitlines()[-1]), demo.output
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT stop the demo and every rank, promptly, every time.
+"""SIGTERM, SIGINT and SIGHUP stop the demo and every rank, promptly, every time.
 
 A stop that hangs one time in twenty is a hung pod in production (the ranks
 of deploy/nixl-ranks.yaml run ``_rank``), so each case is repeated with the
@@ -7,8 +7,11 @@ signal landing at varied moments, and every trial must end within a bound.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pty
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support_e2e import children_of, free_port, pids_alive, rank_env, reaper, wait_until
+from support_e2e import Proc, Reaper, children_of, free_port, pids_alive, rank_env, reaper, wait_until
 
 pytestmark = pytest.mark.usefixtures("serve_mode")  # the demo's ranks serve from a helper, and from a thread
 
@@ -106,13 +109,19 @@ def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nixl-metrics-demo-")] == []
 
 
+def serving_demo(r: Reaper, tmp_path: Path, ranks: int) -> Proc:
+    """A demo of ``ranks`` ranks, its temporary directory in ``tmp_path``, once a rank serves."""
+    port = free_port()
+    demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--rate", "500", "--port", str(port)],
+                   rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
+    demo.wait_line(lambda line: "ranks recording into" in line, 30)
+    return demo
+
+
 def test_ranks_die_with_a_demo_killed_outright(tmp_path: Path) -> None:
     """SIGKILL cannot be forwarded: the ranks asked the kernel to end them with their parent."""
-    port = free_port()
     with reaper() as r:
-        demo = r.start([*CLI, "demo", "--ranks", "3", "--rate", "500", "--port", str(port)],
-                       rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
-        demo.wait_line(lambda line: "ranks recording into" in line, 30)
+        demo = serving_demo(r, tmp_path, ranks=3)
         ranks = children_of(demo.pid)
         assert len(ranks) == 3, ranks
         os.kill(demo.pid, signal.SIGKILL)
@@ -120,8 +129,8 @@ def test_ranks_die_with_a_demo_killed_outright(tmp_path: Path) -> None:
         wait_until(lambda: not pids_alive(ranks), 10, lambda: f"the ranks {pids_alive(ranks)} to die with the demo")
 
 
-def test_serve_stops_on_sigterm_and_sigint(tmp_path: Path) -> None:
-    for sig in [signal.SIGTERM, signal.SIGINT] * 3:
+def test_serve_stops_on_sigterm_sigint_and_sighup(tmp_path: Path) -> None:
+    for sig in [signal.SIGTERM, signal.SIGINT, signal.SIGHUP] * 2:
         port = free_port()
         with reaper() as r:
             serve = r.start([*CLI, "serve"], rank_env(tmp_path / "mp", port))
@@ -131,3 +140,50 @@ def test_serve_stops_on_sigterm_and_sigint(tmp_path: Path) -> None:
             assert "Traceback" not in serve.output
 
 
+def demo_directories(tmp: Path) -> list[str]:
+    return [p.name for p in tmp.iterdir() if p.name.startswith("nixl-metrics-demo-")]
+
+
+def test_sighup_to_the_job_stops_the_demo_and_removes_its_directory(tmp_path: Path) -> None:
+    """What a shell does to its jobs when its terminal closes; the default action left four stores and a lock."""
+    with reaper() as r:
+        demo = serving_demo(r, tmp_path, ranks=4)
+        assert len(demo_directories(tmp_path)) == 1
+        demo.killpg(signal.SIGHUP)  # the demo and its ranks: one process group
+        assert demo.popen.wait(timeout=STOP_BOUND_S) == 0, demo.output
+        assert group_members(demo.pid) == []
+    assert demo_directories(tmp_path) == [], demo.output
+    assert "Traceback" not in demo.output, demo.output
+
+
+def test_a_closed_terminal_stops_the_demo_and_removes_its_directory(tmp_path: Path) -> None:
+    """The demo on a real terminal (a pty), which then goes away: the kernel hangs its session up."""
+    port = free_port()
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))
+    pid, terminal = pty.fork()
+    if pid == 0:  # pragma: no cover - the child, on the pty as its controlling terminal
+        os.execve(sys.executable, [*CLI, "demo", "--ranks", "2", "--rate", "500", "--port", str(port)], env)
+    status = None
+    try:
+        seen, deadline = b"", time.monotonic() + 30
+        while b"ranks recording into" not in seen:
+            assert time.monotonic() < deadline, f"no start line within 30 s: {seen!r}"
+            if select.select([terminal], [], [], 0.5)[0]:
+                seen += os.read(terminal, 4096)
+        os.close(terminal)  # the terminal closes
+        terminal = -1
+        deadline = time.monotonic() + STOP_BOUND_S
+        while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+            assert time.monotonic() < deadline, f"the demo outlived its terminal by {STOP_BOUND_S} s"
+            time.sleep(0.05)
+        status = os.waitstatus_to_exitcode(done[1])
+    finally:
+        if terminal >= 0:
+            os.close(terminal)
+        if status is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert status == 0
+    wait_until(lambda: group_members(pid) == [], 10, lambda: f"the ranks {group_members(pid)} to stop")
+    assert demo_directories(tmp_path) == []

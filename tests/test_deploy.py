@@ -135,6 +135,46 @@ def test_pod_runs_as_one_non_root_user() -> None:
             assert c.get("securityContext", {}).get("allowPrivilegeEscalation") is False, c["name"]
 
 
+QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m|k|M|G|Ki|Mi|Gi)?$")
+UNITS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+
+
+def quantity(text: str | int) -> float:
+    """A Kubernetes resource quantity (the forms these manifests use) as a number."""
+    match = QUANTITY.match(str(text))
+    assert match, text
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+def test_quantity() -> None:
+    assert (quantity("50m"), quantity(2), quantity("64Mi"), quantity("1Gi")) == (0.05, 2, 64 * 2**20, 2**30)
+
+
+def test_every_container_has_resource_requests_and_limits() -> None:
+    """Without them a namespace's LimitRange or quota policy refuses the pod, or it is first to be evicted."""
+    for workload, _, spec in pod_specs():
+        for c in containers(spec):
+            resources = c.get("resources", {})
+            for resource in ("cpu", "memory"):
+                request = resources.get("requests", {}).get(resource)
+                limit = resources.get("limits", {}).get(resource)
+                assert request and limit, f"{workload}/{c['name']}: {resource} request and limit"
+                assert quantity(request) <= quantity(limit), (workload, c["name"], resource)
+        agg = aggregator(spec)["resources"]
+        # At least the aggregator's measured PSS (51 MiB, the comment in nixl-ranks.yaml) and twice its peak RSS.
+        assert quantity(agg["requests"]["memory"]) >= 51 * 2**20 and quantity(agg["limits"]["memory"]) >= 2 * 97 * 2**20
+
+
+def test_every_container_has_a_read_only_root_and_the_aggregator_a_writable_tmp() -> None:
+    """gunicorn found no usable temporary directory under readOnlyRootFilesystem: /dev/shm, else this /tmp."""
+    for workload, _, spec in pod_specs():
+        for c in containers(spec):
+            assert c.get("securityContext", {}).get("readOnlyRootFilesystem") is True, f"{workload}/{c['name']}"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (tmp,) = [m for m in aggregator(spec).get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+        assert "emptyDir" in volumes[tmp["name"]] and not tmp.get("readOnly", False), tmp
+
+
 def test_aggregator_sidecar_runs_the_procfile_web_command() -> None:
     for _, _, spec in pod_specs():
         agg = aggregator(spec)
@@ -191,6 +231,25 @@ def test_podmonitor_structure() -> None:
             if "scrapeTimeout" in ep:
                 assert seconds(ep["scrapeTimeout"]) < interval
             assert ttl >= interval, "keep the stale TTL at or above the scrape interval"
+
+
+# What kube-prometheus-stack's Prometheus selects Operator objects by, unless its values say otherwise.
+HELM_SELECTED = {"PodMonitor": "podMonitorSelectorNilUsesHelmValues", "PrometheusRule": "ruleSelectorNilUsesHelmValues"}
+
+
+def test_operator_objects_carry_the_label_kube_prometheus_stack_selects() -> None:
+    """Without ``release: <Helm release>`` its Prometheus ignored both: no target, no rule, no error."""
+    kubernetes = (REPO / "docs" / "operations.md").read_text().split("\n## Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    kubernetes = " ".join(kubernetes.split())
+    for name, doc in manifests():
+        if doc["kind"] not in HELM_SELECTED:
+            continue
+        release = doc["metadata"]["labels"].get("release")
+        assert release, f"{name}: no release label"
+        setting = f"prometheus.prometheusSpec.{HELM_SELECTED[doc['kind']]}=false"
+        # Where to change it, or how to do without it: beside the label, and in the operations page.
+        assert setting in (DEPLOY / name).read_text(), name
+        assert f"`{name}`" in kubernetes and f"`release: {release}`" in kubernetes and f"`{setting}`" in kubernetes
 
 
 # -- the plain Prometheus configuration -------------------------------------------
@@ -425,6 +484,43 @@ def test_dashboard_queries_parse(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def expand_grafana(expr: str) -> str:
-    """A dashboard query with Grafana's variables replaced by what Grafana would send."""
-    return expr.replace("$__rate_interval", "1m").replace("$job", ".+")
+def job_variable() -> dict[str, Any]:
+    (var,) = [v for v in dashboard()["templating"]["list"] if v["name"] == "job"]
+    return var
+
+
+def grafana_all(var: dict[str, Any], values: list[str]) -> str:
+    """What Grafana's Prometheus data source puts for a multi-value variable set to All, in a regex matcher.
+
+    Its custom all value if it has one, else the values its query found,
+    regex-escaped inside a PromQL string and joined as an alternation (one
+    value stands alone).
+    """
+    if var.get("allValue"):
+        return str(var["allValue"])
+    escaped = [re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(), v.replace("\\", "\\\\\\\\"))
+               for v in values]
+    return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+
+def expand_grafana(expr: str, jobs: tuple[str, ...] = ("nixl",), rate_interval: str = "1m") -> str:
+    """A dashboard query as Grafana sends it with the job variable at its default, All (of ``jobs``)."""
+    return expr.replace("$__rate_interval", rate_interval).replace("$job", grafana_all(job_variable(), list(jobs)))
+
+
+def test_grafana_all_matches_only_the_jobs_found() -> None:
+    var = {"name": "job", "includeAll": True, "multi": True, "allValue": None}
+    assert grafana_all(var, ["nixl"]) == "nixl"
+    assert grafana_all(var, ["nixl", "ml/nixl-ranks", "a.b"]) == "(nixl|ml/nixl-ranks|a\\\\.b)"
+    assert grafana_all({**var, "allValue": ".+"}, ["nixl"]) == ".+"
+
+
+def test_job_variable_defaults_to_the_nixl_jobs_only() -> None:
+    """All once sent ".+", so "Scrape targets up" counted every target of the Prometheus (3 where NIXL had 1)."""
+    var = job_variable()
+    assert var["includeAll"] is True and var["current"] in ({}, {"text": "All", "value": "$__all"})
+    assert not var.get("allValue"), "a custom all value matches jobs the variable's query never found"
+    match = re.fullmatch(r"label_values\((\w+), job\)", var["query"]["query"])
+    assert match and match.group(1) in known_metric_names() - {"up"}, var["query"]  # a metric only NIXL exports
+    ups = [e for e in dashboard_exprs() if "up" in metric_names(e)]
+    assert ups and all(re.findall(r"\bup\{([^}]*)\}", e) == ['job=~"$job"'] for e in ups), ups

@@ -61,15 +61,18 @@ ALLOWED_PROMTOOL_FINDINGS = {
 
 
 class Prometheus:
-    """A real Prometheus on 127.0.0.1 scraping ``target`` every second."""
+    """A real Prometheus on 127.0.0.1 scraping ``target`` (job nixl) and ``others`` (job -> target) every second."""
 
-    def __init__(self, r: Reaper, tmp: Path, target: str) -> None:
+    def __init__(self, r: Reaper, tmp: Path, target: str, others: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         config = tmp / "prometheus.yml"
+        jobs = {"nixl": target, **(others or {})}
         config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 800ms\n  evaluation_interval: 1s\n"
-            f"scrape_configs:\n  - job_name: nixl\n    static_configs:\n      - targets: ['{target}']\n")
-        self.port = free_port()
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 800ms\n  evaluation_interval: 1s\nscrape_configs:\n"
+            + "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['{to}']\n"
+                      for job, to in jobs.items()))
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         assert PROMETHEUS is not None
         args = [PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{self.port}",
@@ -82,11 +85,19 @@ class Prometheus:
         assert doc["status"] == "success", doc
         return doc["data"]["result"]
 
+    def label_values(self, query: str) -> list[str]:
+        """A Grafana ``label_values(metric, label)`` variable query, as Grafana asks Prometheus for it."""
+        metric, label = (part.strip() for part in query.removeprefix("label_values(").removesuffix(")").split(","))
+        doc = get_json(f"{self.url}/api/v1/label/{label}/values?{urllib.parse.urlencode({'match[]': metric})}")
+        assert doc["status"] == "success", doc
+        return sorted(doc["data"])
+
     def by_rank(self, expr: str) -> dict[str, float]:
         return {s["metric"].get("local_rank", ""): float(s["value"][1]) for s in self.query(expr)}
 
     def target(self) -> dict[str, Any]:
-        targets = get_json(f"{self.url}/api/v1/targets")["data"]["activeTargets"]
+        targets = [t for t in get_json(f"{self.url}/api/v1/targets")["data"]["activeTargets"]
+                   if t["labels"]["job"] == "nixl"]
         assert len(targets) <= 1, targets
         return targets[0] if targets else {"health": "not discovered yet", "lastError": ""}
 
@@ -153,20 +164,41 @@ def test_prometheus_reads_every_rank(scraped: tuple[list[Proc], int, Prometheus]
 @needs_prometheus
 def test_dashboard_queries_return_data(scraped: tuple[list[Proc], int, Prometheus]) -> None:
     """Every query of deploy/grafana-dashboard.json evaluates against real scraped series."""
-    from test_deploy import dashboard_exprs
+    from test_deploy import dashboard_exprs, expand_grafana
 
     _, _, prom = scraped
     wait_until(lambda: len(prom.query("rate(agent_tx_bytes_total[10s])")) == 3, 15, "two samples per series")
     empty = []
     for expr in dashboard_exprs():
         if expr.startswith("label_values("):
-            metric, label = expr[len("label_values("):-1].split(",")
-            values = {s["metric"].get(label.strip()) for s in prom.query(metric.strip())}
-            assert values == {"nixl"}, expr
+            assert prom.label_values(expr) == ["nixl"], expr
             continue
-        if not prom.query(expr.replace("$__rate_interval", "10s").replace("$job", ".+")):
+        if not prom.query(expand_grafana(expr, ("nixl",), rate_interval="10s")):
             empty.append(expr)
     assert empty == []
+
+
+@needs_prometheus
+def test_scrape_targets_up_counts_only_nixl_targets(tmp_path: Path) -> None:
+    """With the job variable at its default (All), on a Prometheus with three jobs: NIXL's one target, not 3."""
+    from test_deploy import dashboard, expand_grafana, job_variable
+
+    port, prom_port = free_port(), free_port()
+    with reaper() as r:
+        assert wait_ready(r.rank(tmp_path / "mp", port, 0)) is True
+        # Beside NIXL: Prometheus itself (up) and an exporter that is down.
+        prom = Prometheus(r, tmp_path / "prometheus", f"127.0.0.1:{port}", port=prom_port,
+                          others={"prometheus": f"127.0.0.1:{prom_port}", "node": f"127.0.0.1:{free_port()}"})
+        wait_until(lambda: len(prom.query("up")) == 3 and prom.query('agent_tx_bytes_total{job="nixl"}'), 30,
+                   lambda: f"Prometheus to scrape its three jobs ({scrape_health(prom)})")
+        jobs = prom.label_values(job_variable()["query"]["query"])
+        assert jobs == ["nixl"]
+        (panel,) = [p for p in dashboard()["panels"] if p["title"] == "Scrape targets up"]
+        shown = {t["legendFormat"]: [float(s["value"][1]) for s in prom.query(expand_grafana(t["expr"], tuple(jobs)))]
+                 for t in panel["targets"]}
+        assert shown == {"up": [1.0], "targets": [1.0]}
+        # The check is live: the match-anything all value the dashboard had counted every job's targets.
+        assert [float(s["value"][1]) for s in prom.query('count(up{job=~".+"})')] == [3.0]
 
 
 @needs_prometheus
