@@ -69,23 +69,18 @@ static int shim_openat(openat_fn next, int dir_fd, const char *path, int flags, 
     return next(dir_fd, path, flags, mode);
 }
 
-int openat(int dir_fd, const char *path, int flags, ...) {
-    NEXT(openat_fn, "openat");
-    va_list args;
-    va_start(args, flags);
-    int fd = shim_openat(next_, dir_fd, path, flags, args);
-    va_end(args);
-    return fd;
-}
-
-int openat64(int dir_fd, const char *path, int flags, ...) {
-    NEXT(openat_fn, "openat64");
-    va_list args;
-    va_start(args, flags);
-    int fd = shim_openat(next_, dir_fd, path, flags, args);
-    va_end(args);
-    return fd;
-}
+/* openat and openat64 (what a build with 64-bit offsets calls): the same wrapper. */
+#define OPENAT(symbol)                                                \
+    int symbol(int dir_fd, const char *path, int flags, ...) {        \
+        NEXT(openat_fn, #symbol);                                     \
+        va_list args;                                                 \
+        va_start(args, flags);                                        \
+        int fd = shim_openat(next_, dir_fd, path, flags, args);       \
+        va_end(args);                                                 \
+        return fd;                                                    \
+    }
+OPENAT(openat)
+OPENAT(openat64)
 
 int fstat(int fd, struct stat *st) {
     NEXT(fstat_fn, "fstat");
