@@ -9,8 +9,9 @@
  * GIL (no allocation per store), writes the whole body without it, and hands
  * back one bytes object.  Everything read without the GIL is owned by the
  * call: the caller's lists are copied into tuples first (another thread may
- * mutate them meanwhile), and each store's words are a buffer export.  The Python loop stays the reference (and is used
- * where this is not built); the tests compare both byte for byte.
+ * mutate them meanwhile), and each store's words are a buffer export.  The
+ * Python loop stays the reference (and is used where this is not built); the
+ * tests compare both byte for byte.
  *
  * Numbers are spelt as the C++ plug-in (prometheus-cpp) spells them: bucket
  * and count values as integers; counters, gauges and histogram sums are u64s
