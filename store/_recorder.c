@@ -102,7 +102,25 @@ apply(const Store *s, int ev, uint64_t value)
 	}
 }
 
-/* An event type as a slot number, or -1 with the validator's error set. */
+/* validator(arg), holding the validator: a call of install() from Python
+ * code it runs would otherwise free it mid-call. */
+static PyObject *
+validate(PyObject *validator, PyObject *arg)
+{
+	PyObject *res;
+	if (!validator) {
+		PyErr_SetString(PyExc_RuntimeError, "store._recorder: install() was not called");
+		return NULL;
+	}
+	Py_INCREF(validator);
+	res = PyObject_CallOneArg(validator, arg);
+	Py_DECREF(validator);
+	return res;
+}
+
+/* An event type as a slot number, or -1 with the validator's error set.  A
+ * validator that returns what is not a slot (rather than raising) gets the
+ * event refused all the same. */
 static int
 slot_of(PyObject *event)
 {
@@ -114,12 +132,16 @@ slot_of(PyObject *event)
 			return (int)ev;
 		PyErr_Clear();
 	}
-	checked = PyObject_CallOneArg(event_type, event);  /* raises */
+	checked = validate(event_type, event);  /* raises */
 	if (!checked)
 		return -1;
 	ev = PyLong_AsLong(checked);
 	Py_DECREF(checked);
-	return (ev >= 0 && ev < SLOTS) ? (int)ev : -1;
+	if (ev >= 0 && ev < SLOTS)
+		return (int)ev;
+	if (!PyErr_Occurred())
+		PyErr_Format(PyExc_ValueError, "unknown event type %R (valid: slots 0..%d)", event, SLOTS - 1);
+	return -1;
 }
 
 /* An event value as a u64; 0 with *ok = 0 and the validator's error set. */
@@ -135,7 +157,7 @@ value_of(PyObject *value, int *ok)
 			return v;
 		PyErr_Clear();
 	}
-	checked = PyObject_CallOneArg(event_value, value);  /* raises, or an int in range */
+	checked = validate(event_value, value);  /* raises, or an int in range */
 	if (!checked) {
 		*ok = 0;
 		return 0;
@@ -147,12 +169,20 @@ value_of(PyObject *value, int *ok)
 	return v;
 }
 
-/* Heartbeat of a detached store's Python fallback, or -1 on error. */
+/* Heartbeat of a detached store's Python fallback, or -1 on error.  NULL
+ * once the collector cleared the Store (a finalizer can still reach it). */
 static int64_t
 call_detached(PyObject *callable, PyObject *const *args, size_t nargs)
 {
 	int64_t t;
-	PyObject *res = PyObject_Vectorcall(callable, args, nargs, NULL);
+	PyObject *res;
+	if (!callable) {
+		PyErr_SetString(PyExc_RuntimeError, "store._recorder.Store was cleared");
+		return -1;
+	}
+	Py_INCREF(callable);
+	res = PyObject_Vectorcall(callable, args, nargs, NULL);
+	Py_DECREF(callable);
 	if (!res)
 		return -1;
 	t = PyLong_AsLongLong(res);
@@ -197,9 +227,18 @@ store_transfer(Store *s, PyObject *const *args)
 	else if (args[3] == Py_False)
 		is_write = 0;
 	else {
-		checked = PyObject_CallOneArg(transfer_direction, args[3]);  /* raises */
-		Py_XDECREF(checked);
-		return -1;
+		/* The validator raises; should it return, its answer must be a bool too. */
+		checked = validate(transfer_direction, args[3]);
+		if (!checked)
+			return -1;
+		is_write = checked == Py_True;
+		if (!is_write && checked != Py_False) {
+			PyErr_Format(PyExc_TypeError, "is_write must be a bool, got %.100s %R",
+				     Py_TYPE(args[3])->tp_name, args[3]);
+			Py_DECREF(checked);
+			return -1;
+		}
+		Py_DECREF(checked);
 	}
 	xfer = value_of(args[0], &ok);
 	if (ok)
@@ -251,13 +290,13 @@ Store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 		/* Floors >= 2**64 saturate: every u64 value is <= them, as in Python. */
 		int overflow;
 		long long b = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(bounds, i), &overflow);
-		if (overflow > 0)
+		if (b == -1 && PyErr_Occurred()) {  /* not an integer: its own TypeError */
+			Py_DECREF(s);
+			return NULL;
+		} else if (overflow > 0)
 			s->bounds[i] = UINT64_MAX;
 		else if (overflow < 0 || b < 0) {
 			PyErr_SetString(PyExc_ValueError, "Store: bounds must be non-negative");
-			Py_DECREF(s);
-			return NULL;
-		} else if (b == -1 && PyErr_Occurred()) {
 			Py_DECREF(s);
 			return NULL;
 		} else
@@ -279,31 +318,45 @@ Store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static PyObject *
 Store_attach(Store *s, PyObject *buffer)
 {
+	Py_buffer view;
 	if (s->words) {
 		PyErr_SetString(PyExc_RuntimeError, "Store is attached already");
 		return NULL;
 	}
-	if (PyObject_GetBuffer(buffer, &s->view, PyBUF_WRITABLE) < 0)
+	/* Into a local view: an exporter written in Python may attach this Store meanwhile. */
+	if (PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0)
 		return NULL;
-	if (s->view.len < STORE_SIZE || (uintptr_t)s->view.buf % 8) {
-		PyBuffer_Release(&s->view);
+	if (s->words) {
+		PyBuffer_Release(&view);
+		PyErr_SetString(PyExc_RuntimeError, "Store is attached already");
+		return NULL;
+	}
+	if (view.len < STORE_SIZE || (uintptr_t)view.buf % 8) {
+		PyBuffer_Release(&view);
 		PyErr_SetString(PyExc_ValueError, "Store.attach needs a writable, 8-byte aligned store buffer");
 		return NULL;
 	}
-	s->words = s->view.buf;
+	s->view = view;
+	s->words = view.buf;
 	Py_RETURN_NONE;
 }
 
 /* Stop writing (events go to the detached callables) and let go of the
  * mapping, so that it can be closed.  With the GIL held no event is halfway
  * through an update here. */
-static PyObject *
-Store_detach(Store *s, PyObject *unused)
+static void
+release(Store *s)
 {
 	if (s->words) {
 		s->words = NULL;
 		PyBuffer_Release(&s->view);
 	}
+}
+
+static PyObject *
+Store_detach(Store *s, PyObject *unused)
+{
+	release(s);
 	Py_RETURN_NONE;
 }
 
@@ -353,7 +406,7 @@ static void
 Store_dealloc(Store *s)
 {
 	PyObject_GC_UnTrack(s);
-	Store_detach(s, NULL);
+	release(s);
 	Store_clear(s);
 	PyObject_GC_Del(s);
 }
@@ -437,18 +490,29 @@ static PyObject *
 Recording_export_event(Recording *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
 	Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-	if (!self->store || kwnames || nargs != 2)
+	Store *s = self->store;
+	int64_t t;
+	if (!s || kwnames || nargs != 2)
 		return python_twin(self, str_export_event_py, args, nargsf, kwnames);
-	return after(self, store_record(self->store, args[0], args[1]));
+	/* Held for the call: the validators run Python code, which may rebind _store. */
+	Py_INCREF(s);
+	t = store_record(s, args[0], args[1]);
+	Py_DECREF(s);
+	return after(self, t);
 }
 
 static PyObject *
 Recording_record_transfer(Recording *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
 	Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-	if (!self->store || kwnames || nargs != 4)
+	Store *s = self->store;
+	int64_t t;
+	if (!s || kwnames || nargs != 4)
 		return python_twin(self, str_record_transfer_py, args, nargsf, kwnames);
-	return after(self, store_transfer(self->store, args));
+	Py_INCREF(s);  /* as in export_event */
+	t = store_transfer(s, args);
+	Py_DECREF(s);
+	return after(self, t);
 }
 
 static PyObject *
@@ -488,8 +552,11 @@ Recording_clear(Recording *self)
 static void
 Recording_dealloc(Recording *self)
 {
-	/* Only ever the base of a heap type, whose dealloc untracks the object
-	 * and drops the type's reference. */
+	/* Untracked first: dropping the Store runs Python code (its callables'
+	 * finalizers), and a collection that then found this object tracked
+	 * would free it a second time.  A heap subclass's dealloc drops the
+	 * type's reference (it re-tracks the object before calling this one). */
+	PyObject_GC_UnTrack(self);
 	Recording_clear(self);
 	Py_TYPE(self)->tp_free((PyObject *)self);
 }

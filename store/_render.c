@@ -7,8 +7,11 @@
  * values.  render() here does the same fill for every family and store in
  * one call: it gathers pointers to the templates and words while holding the
  * GIL (no allocation per store), writes the whole body without it, and hands
- * back one bytes object.  The Python loop stays the reference (and is used
- * where this is not built); the tests compare both byte for byte.
+ * back one bytes object.  Everything read without the GIL is owned by the
+ * call: the caller's lists are copied into tuples first (another thread may
+ * mutate them meanwhile), and each store's words are a buffer export.  The
+ * Python loop stays the reference (and is used where this is not built); the
+ * tests compare both byte for byte.
  *
  * Numbers are spelt as the C++ plug-in (prometheus-cpp) spells them: bucket
  * and count values as integers; counters, gauges and histogram sums are u64s
@@ -199,7 +202,8 @@ static int parse_families(PyObject *headers, PyObject *plan, Job *job) {
     for (Py_ssize_t f = 0; f < job->nfamilies; f++) {
         Family *fam = &job->families[f];
         PyObject *header = PyTuple_GET_ITEM(headers, f), *entry = PyTuple_GET_ITEM(plan, f), *words;
-        if (!PyBytes_Check(header) || !PyArg_ParseTuple(entry, "iO!", &fam->kind, &PyTuple_Type, &words))
+        if (!PyBytes_Check(header) || !PyTuple_Check(entry)
+            || !PyArg_ParseTuple(entry, "iO!", &fam->kind, &PyTuple_Type, &words))
             goto bad;
         fam->header = PyBytes_AS_STRING(header);
         fam->header_len = PyBytes_GET_SIZE(header);
@@ -227,13 +231,20 @@ static PyObject *render(PyObject *module, PyObject *args) {
                           &PyBytes_Type, &tail))
         return NULL;
     Job job = {0};
-    job.nstores = PyList_GET_SIZE(words_of);
-    if (PyList_GET_SIZE(buckets_of) != job.nstores || PyList_GET_SIZE(smalls_of) != job.nstores) {
-        PyErr_SetString(PyExc_ValueError, "render: words, buckets and templates differ in length");
-        return NULL;
-    }
     PyObject *result = NULL;
     Py_ssize_t acquired = 0;
+    /* Our own references: the templates are read without the GIL, while the caller's lists are
+     * not ours (and a buffer export may run Python code that changes them). */
+    PyObject *words = PyList_AsTuple(words_of);
+    PyObject *buckets = words ? PyList_AsTuple(buckets_of) : NULL;
+    PyObject *templates = buckets ? PyList_AsTuple(smalls_of) : NULL;
+    if (templates == NULL)
+        goto done;
+    job.nstores = PyTuple_GET_SIZE(words);
+    if (PyTuple_GET_SIZE(buckets) != job.nstores || PyTuple_GET_SIZE(templates) != job.nstores) {
+        PyErr_SetString(PyExc_ValueError, "render: words, buckets and templates differ in length");
+        goto done;
+    }
     if (parse_families(headers, plan, &job) != 0)
         goto done;
     job.tail = PyBytes_AS_STRING(tail);
@@ -252,12 +263,14 @@ static PyObject *render(PyObject *module, PyObject *args) {
         bound += job.families[f].header_len;
     for (Py_ssize_t s = 0; s < job.nstores; s++) {
         /* The buffer export also keeps the words array from being resized meanwhile. */
-        if (PyObject_GetBuffer(PyList_GET_ITEM(words_of, s), &job.words[s], PyBUF_SIMPLE) != 0)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(words, s), &job.words[s], PyBUF_SIMPLE) != 0)
             goto done;
         acquired++;
-        job.buckets[s] = PyLong_AsSsize_t(PyList_GET_ITEM(buckets_of, s));
-        PyObject *smalls = PyList_GET_ITEM(smalls_of, s);
-        if (job.words[s].len < STORE_WORDS * 8 || job.buckets[s] < 1 || job.buckets[s] > MAX_LINE_VALUES - 2
+        job.buckets[s] = PyLong_AsSsize_t(PyTuple_GET_ITEM(buckets, s));
+        PyObject *smalls = PyTuple_GET_ITEM(templates, s);
+        /* Words are read as u64s: a misaligned buffer (a memoryview sliced at an odd offset) is refused. */
+        if (job.words[s].len < STORE_WORDS * 8 || (uintptr_t)job.words[s].buf % _Alignof(uint64_t)
+            || job.buckets[s] < 1 || job.buckets[s] > MAX_LINE_VALUES - 2
             || !PyTuple_Check(smalls) || PyTuple_GET_SIZE(smalls) != job.nfamilies) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "render: a malformed store");
@@ -303,6 +316,9 @@ done:
     PyMem_Free(job.buckets);
     PyMem_Free(job.tmpl);
     PyMem_Free(job.tmpl_len);
+    Py_XDECREF(words);
+    Py_XDECREF(buckets);
+    Py_XDECREF(templates);
     return result;
 }
 

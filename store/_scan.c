@@ -31,15 +31,21 @@
 /* Outcomes: keep in step with store/scan.py. */
 enum { OK = 0, MISSING = 1, FOREIGN = 2, NOT_REGULAR = 3, UNREADABLE = 4, SHORT = 5 };
 
+/* What the scan keeps per store until the Python objects are built: only
+ * what was read, so a directory of many short or foreign files costs little. */
 typedef struct {
-    char name[NAME_MAX_LEN + 1];
+    char *name;    /* malloc'ed */
     int outcome;
     int err;       /* errno of the failed call, else 0 */
     int alive;     /* a writer holds the lock (or the probe failed) */
     unsigned long long uid, ino;  /* from fstat, else 0 */
-    Py_ssize_t size;   /* bytes read into data */
-    char *data;        /* STORE_SIZE bytes, malloc'ed; NULL unless read */
+    Py_ssize_t size;   /* bytes read (OK and SHORT) */
+    char *data;        /* those bytes, malloc'ed; NULL when none */
 } Entry;
+
+/* As the twin's os calls (PEP 475): a call interrupted by a signal is made
+ * again.  The signal's Python handler runs once the scan has returned. */
+#define RETRY(rc, call) do (rc) = (call); while ((rc) < 0 && errno == EINTR)
 
 /* nixl.<pid>.<run_marker>.<instance>.mmap, each field one or more ASCII
  * digits: nothing else in the directory is ever opened (store.layout's
@@ -63,18 +69,21 @@ static int by_name(const void *a, const void *b) {
     return strcmp(((const Entry *)a)->name, ((const Entry *)b)->name);
 }
 
-/* One store: open without following links or blocking, check it is a regular
- * file we own, probe the writer's lock, read it.  Same order and same calls as
- * the twin's _one(). */
-static void scan_one(int dir_fd, Entry *e, uid_t euid) {
-    int fd = openat(dir_fd, e->name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+/* One store: open without following links, blocking or taking a terminal
+ * (a device node named like a store is opened, then never read), check it is
+ * a regular file we own, probe the writer's lock, read it into `scratch`
+ * (STORE_SIZE bytes).  Same order and same calls as the twin's _one(). */
+static void scan_one(int dir_fd, Entry *e, uid_t euid, char *scratch) {
+    int fd, rc;
+    RETRY(fd, openat(dir_fd, e->name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
     if (fd < 0) {
         e->err = errno;
         e->outcome = errno == ENOENT ? MISSING : UNREADABLE;
         return;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0) {
+    RETRY(rc, fstat(fd, &st));
+    if (rc != 0) {
         e->err = errno;
         e->outcome = UNREADABLE;
         close(fd);
@@ -86,22 +95,27 @@ static void scan_one(int dir_fd, Entry *e, uid_t euid) {
         e->outcome = NOT_REGULAR;
     } else if (st.st_uid != euid) {
         e->outcome = FOREIGN;  /* never read: another user cannot inject series */
-    } else if ((e->data = malloc(STORE_SIZE)) == NULL) {
-        e->err = ENOMEM;
-        e->outcome = UNREADABLE;
     } else {
         /* Probe before reading: a writer that dies in between then only makes
          * us publish values that were final anyway.  Any failure to take the
          * shared lock reads as alive: a false "dead" would get a live
          * writer's store reaped. */
-        e->alive = flock(fd, LOCK_SH | LOCK_NB) != 0;  /* a lock we took goes with close() */
-        ssize_t got = pread(fd, e->data, STORE_SIZE, 0);
+        RETRY(rc, flock(fd, LOCK_SH | LOCK_NB));
+        e->alive = rc != 0;  /* a lock we took goes with close() */
+        ssize_t got;
+        RETRY(got, pread(fd, scratch, STORE_SIZE, 0));
+        if (got > 0) {  /* kept at its size: most of a scan's files may be short */
+            if ((e->data = malloc((size_t)got)) != NULL) {
+                memcpy(e->data, scratch, (size_t)got);
+            } else {
+                got = -1;
+                errno = ENOMEM;
+            }
+        }
         if (got < 0) {
             e->err = errno;
             e->outcome = UNREADABLE;
             e->alive = 0;  /* as the twin: only a store that was read has a liveness */
-            free(e->data);
-            e->data = NULL;
         } else {
             e->size = got;
             e->outcome = got < STORE_SIZE ? SHORT : OK;
@@ -111,8 +125,10 @@ static void scan_one(int dir_fd, Entry *e, uid_t euid) {
 }
 
 static void free_entries(Entry *entries, size_t count) {
-    for (size_t i = 0; i < count; i++)
+    for (size_t i = 0; i < count; i++) {
+        free(entries[i].name);
         free(entries[i].data);
+    }
     free(entries);
 }
 
@@ -122,7 +138,8 @@ static void free_entries(Entry *entries, size_t count) {
  * descriptors fails the same way as the twin: no listing without one free
  * descriptor, no store opened without a second. */
 static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
-    int dir_fd = open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int dir_fd;
+    RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (dir_fd < 0)
         return -1;
     DIR *dir = fdopendir(dir_fd);
@@ -134,7 +151,8 @@ static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
     }
     size_t count = 0, capacity = 64;
     Entry *entries = malloc(capacity * sizeof(Entry));
-    int failed = entries == NULL ? ENOMEM : 0;
+    char *scratch = malloc(STORE_SIZE);
+    int failed = entries == NULL || scratch == NULL ? ENOMEM : 0;
     while (!failed) {
         errno = 0;
         struct dirent *d = readdir(dir);
@@ -153,12 +171,17 @@ static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
             entries = grown;
             capacity *= 2;
         }
-        Entry *e = &entries[count++];
+        Entry *e = &entries[count];
         memset(e, 0, sizeof(*e));
-        strcpy(e->name, d->d_name);
+        if ((e->name = strdup(d->d_name)) == NULL) {
+            failed = ENOMEM;
+            break;
+        }
+        count++;
     }
     if (failed) {
-        free(entries);
+        free_entries(entries, entries == NULL ? 0 : count);
+        free(scratch);
         closedir(dir);
         errno = failed;
         return -1;
@@ -166,7 +189,8 @@ static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
     qsort(entries, count, sizeof(Entry), by_name);
     uid_t euid = geteuid();
     for (size_t i = 0; i < count; i++)
-        scan_one(dirfd(dir), &entries[i], euid);
+        scan_one(dirfd(dir), &entries[i], euid, scratch);
+    free(scratch);
     closedir(dir);
     *out = entries;
     *out_count = count;
@@ -196,7 +220,8 @@ static PyObject *scan(PyObject *module, PyObject *arg) {
     PyObject *result = PyList_New((Py_ssize_t)count);
     for (size_t i = 0; result != NULL && i < count; i++) {
         Entry *e = &entries[i];
-        PyObject *data = e->data == NULL ? Py_NewRef(Py_None) : PyBytes_FromStringAndSize(e->data, e->size);
+        PyObject *data = e->outcome != OK && e->outcome != SHORT ? Py_NewRef(Py_None)
+            : PyBytes_FromStringAndSize(e->data, e->size);
         PyObject *item = data == NULL ? NULL
             : Py_BuildValue("(siiOKKN)", e->name, e->outcome, e->err, e->alive ? Py_True : Py_False,
                             e->uid, e->ino, data);

@@ -32,7 +32,7 @@ from store.warnonce import OnceWarner
 log = logging.getLogger("nixl_prometheus_mp.store")
 foreign_warner = OnceWarner(log)
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
 
 @dataclass(frozen=True, slots=True)

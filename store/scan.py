@@ -3,10 +3,12 @@
 ``scan(directory)`` returns one ``Entry`` per file whose name is a store name
 (``nixl.<pid>.<run_marker>.<instance>.mmap``, decimal fields; nothing else in
 the directory is ever opened), sorted by name.  Each store is opened without
-following symlinks or blocking, must be a regular file owned by our effective
-uid (anything else is never read), gets its writer's lock probed
-(``LOCK_SH|LOCK_NB``: any failure to take it reads as alive), then is read.
-An unreadable directory raises ``OSError``.
+following symlinks, blocking or taking a terminal (``O_NONBLOCK | O_NOCTTY``: a
+device node named like a store is opened, but nothing more), must be a regular
+file owned by our effective uid (anything else is never read), gets its
+writer's lock probed (``LOCK_SH|LOCK_NB``: any failure to take it reads as
+alive), then is read.  An unreadable directory raises ``OSError``.  Calls
+interrupted by a signal are made again (PEP 475), on both paths.
 
 Why a module of its own: every one of those system calls releases the GIL,
 and when another thread of the serving process (a rank recording flat out)
@@ -39,7 +41,7 @@ NOT_REGULAR: Final = 3  # a FIFO, socket, device or directory
 UNREADABLE: Final = 4  # a call failed with ``err`` (ELOOP: a symbolic link; EACCES: no read permission)
 SHORT: Final = 5  # read, but shorter than a store: ``data`` holds what there was
 
-_OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY
 
 
 class Entry(NamedTuple):

@@ -7,11 +7,16 @@ escaping or hold a '%', no local_rank, no bucket at all, in both formats.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import textwrap
 from array import array
 from pathlib import Path
 
 import pytest
+from conftest import PROJECT_ROOT
 from support_forge import cpp_u64_as_double, store_bytes
 from support_native import c_speedup
 
@@ -92,3 +97,49 @@ def test_malformed_arguments_raise_instead_of_reading_past_a_store() -> None:
         c_render((b"",), ((0, (0,)),), [array("Q", [1, 2])], [1], [(b"%d\n",)], b"")
     # A template with more placeholders than values is a bug: the loop (which raises) is left to say so.
     assert c_render((b"",), ((0, (0,)),), [words], [1], [(b"%d %d\n",)], b"") is None
+
+
+def test_words_that_are_not_8_byte_aligned_are_refused() -> None:
+    misaligned = memoryview(bytearray(L.STORE_SIZE + 8))[1:L.STORE_SIZE + 1]
+    with pytest.raises(ValueError, match="a malformed store"):
+        c_render((b"",), ((0, (0,)),), [misaligned], [1], [(b"%d\n",)], b"")
+
+
+# Another thread drops the templates (the only references to them) while render() fills them without the
+# GIL.  They are 256 KiB each, so that malloc maps each one apart and free unmaps it: a template read after
+# its release is a crash, not stale bytes.
+_DROPPED_TEMPLATES = textwrap.dedent("""
+    import sys, threading
+    from array import array
+    from store import _render
+
+    sys.setswitchinterval(5)  # the dropping thread runs when render() lets the GIL go, not before
+    STORES, SIZE = 32, 256 * 1024
+    words = [array("Q", bytes(6800)) for _ in range(STORES)]
+    for i, w in enumerate(words):
+        w[0] = i
+    go = threading.Event()
+
+    def drop(templates):
+        go.wait()
+        for i in reversed(range(len(templates))):
+            templates[i] = None
+
+    for _ in range(10):
+        templates = [(b"x" * SIZE + b" %d\\n",) for _ in range(STORES)]
+        thread = threading.Thread(target=drop, args=(templates,))
+        thread.start()
+        go.set()
+        body = _render.render((b"# h\\n",), ((0, (0,)),), words, [1] * STORES, templates, b"")
+        thread.join()
+        go.clear()
+        assert body == b"# h\\n" + b"".join(b"x" * SIZE + b" %d\\n" % i for i in range(STORES))
+    print("filled")
+""")
+
+
+def test_templates_dropped_by_another_thread_during_the_fill_are_not_freed_under_it() -> None:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    done = subprocess.run([sys.executable, "-c", _DROPPED_TEMPLATES], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "filled"), done.stderr

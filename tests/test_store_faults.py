@@ -326,3 +326,36 @@ def test_recreated_store_is_locked_and_the_old_one_released(child_env, lock_prob
             proc.wait(timeout=30)
         shutil.rmtree(child_env["NIXL_TELEMETRY_MULTIPROC_DIR"], ignore_errors=True)
     time.sleep(0)
+
+
+# -- 5. a store truncated under its writer -------------------------------------------------------------
+
+def test_a_live_store_truncated_by_another_process_kills_its_writer_with_sigbus(child_env) -> None:
+    """Documented, not handled (as with the C++ plug-in): the mapping's pages past the new end fault."""
+    script = """
+        import sys
+        from app import Exporter
+        from store import EventType as E
+        exp = Exporter("a")
+        exp.export_event(E.AGENT_TX_BYTES, 1)
+        print(exp.store_path, flush=True)
+        sys.stdin.readline()
+        exp.export_event(E.AGENT_TX_BYTES, 1)
+        print("survived", flush=True)
+    """
+    # (AddressSanitizer, where it is preloaded, would turn the signal into a report of its own.)
+    env = {**child_env, "ASAN_OPTIONS": ":".join(filter(None, [child_env.get("ASAN_OPTIONS"), "handle_sigbus=0"]))}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=PROJECT_ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        path = Path(proc.stdout.readline().strip())
+        os.truncate(path, 0)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=30) == -signal.SIGBUS
+        assert proc.stdout.read() == ""
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)

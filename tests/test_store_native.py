@@ -150,3 +150,152 @@ def test_bounds_the_c_table_cannot_hold_take_the_python_path(tmp_dir: Path, make
     for value in (0, 7, 50, 500):
         expected[bisect_left([int(b // 1) for b in bounds], value)] += 1
     assert list(words[base:base + L.BUCKET_SLOTS]) == expected
+
+
+# -- Memory safety of store._recorder under any caller --------------------------------------------
+# Each case runs in its own interpreter: without the fix it crashes that interpreter (or leaks), and the
+# test fails on its exit status instead of taking the suite down.
+
+_C_PREAMBLE = textwrap.dedent("""
+    import mmap, sys
+    import store.writer as W
+    from store import EventType, layout as L
+    R = W.NATIVE
+    assert R is not None, "store._recorder is not loaded"
+
+    def never(*args):
+        raise AssertionError("the detached path was taken")
+
+    def attached_store(enabled=EventType):
+        buffer = mmap.mmap(-1, L.STORE_SIZE)
+        store = R.Store((), W.kinds(set(enabled)), never, never)
+        store.attach(buffer)
+        return store, buffer
+""")
+
+
+def _run_c_path(code: str) -> str:
+    """Run ``code`` (after _C_PREAMBLE) in a fresh interpreter on the C recording path; its stdout."""
+    if store.writer.NATIVE is None and not REQUIRED:
+        pytest.skip("store._recorder is not built (or NIXL_PROMETHEUS_MP_PURE_PYTHON=1)")
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_PROMETHEUS_MP_PURE_PYTHON"}
+    done = subprocess.run([sys.executable, "-c", _C_PREAMBLE + textwrap.dedent(code)], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stderr}"
+    return done.stdout
+
+
+def test_rebinding_the_store_from_a_validator_keeps_the_bound_store_for_the_call() -> None:
+    """A value's __index__ that rebinds _store (freeing the Store) and closes its mapping mid-call."""
+    out = _run_c_path("""
+        class Rec(R.Recording):
+            def _on_deadline(self):
+                pass
+
+        rec = Rec()
+        rec._next_claim_ns = 2**63
+        rec._store, current = attached_store()
+        recorded_into = []
+
+        class Rebinds:
+            def __index__(self):
+                global current
+                recorded_into.append(current)
+                rec._store, current = attached_store()  # drops the last reference to the Store recording this
+                try:
+                    recorded_into[-1].close()  # and unmaps its buffer, unless that Store still exports it
+                except BufferError:
+                    pass
+                return 5
+
+        rec.export_event(EventType.AGENT_TX_BYTES, Rebinds())
+        rec.record_transfer(Rebinds(), 1, 2, True)
+        first, second = (memoryview(buffer).cast("Q") for buffer in recorded_into)
+        print(first[L.W_COUNTERS + EventType.AGENT_TX_BYTES], second[L.W_SUMS + EventType.AGENT_XFER_TIME])
+    """)
+    assert out.split() == ["5", "5"]
+
+
+def test_a_collection_while_a_recordings_store_is_dropped_frees_it_once() -> None:
+    """A finalizer run by the Store's release starts a collection while the (heap-subclass) object dies."""
+    out = _run_c_path("""
+        import gc
+        from app.recording import Recording
+
+        class Collects:
+            def __del__(self):
+                gc.collect()
+
+        def dying():
+            collects = Collects()
+
+            def detached(*args, _held=collects):
+                return 0
+
+            rec = Recording()
+            rec._store = R.Store((), W.kinds(()), detached, detached)
+            return rec
+
+        for _ in range(200):
+            dying()
+        gc.collect()
+        print("freed")
+    """)
+    assert out.split() == ["freed"]
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="None is immortal from Python 3.12: no count to leak")
+def test_stores_leak_no_reference_to_none() -> None:
+    out = _run_c_path("""
+        def cb(*args):
+            return 0
+
+        before = sys.getrefcount(None)
+        for _ in range(10_000):
+            R.Store((), W.kinds(()), cb, cb)  # created and freed
+            try:
+                R.Store((5, 1), W.kinds(()), cb, cb)  # refused: unsorted
+            except ValueError:
+                pass
+        print(sys.getrefcount(None) - before)
+    """)
+    assert abs(int(out)) < 100  # a leak is one per Store: 20,000
+
+
+def test_a_validator_that_returns_instead_of_raising_still_refuses_or_decides() -> None:
+    """install() takes any callables: one that returns rather than raises must not leave C without an error."""
+    out = _run_c_path("""
+        def lenient_event_type(event):
+            return 99  # not a slot
+
+        def lenient_direction(is_write):
+            return {1: True, 0: False}.get(is_write, is_write)
+
+        R.install(lenient_event_type, W.event_value, lenient_direction)
+        store, buffer = attached_store()
+        results = []
+        for call in (lambda: store.record(1.5, 1), lambda: store.transfer(1, 2, 3, 1),
+                     lambda: store.transfer(1, 2, 3, "yes")):
+            try:
+                call()
+                results.append("recorded")
+            except Exception as exc:
+                results.append(f"{type(exc).__name__}: {exc}")
+        words = memoryview(buffer).cast("Q")
+        results.append(f"tx={words[L.W_COUNTERS + EventType.AGENT_TX_BYTES]}")
+        print("\\n".join(results))
+    """)
+    assert out.splitlines() == ["ValueError: unknown event type 1.5 (valid: slots 0..20)", "recorded",
+                                "TypeError: is_write must be a bool, got str 'yes'", "tx=3"]
+
+
+def test_a_bound_that_is_not_an_integer_is_refused_as_such() -> None:
+    native = store.writer.NATIVE
+    if native is None:
+        if REQUIRED:
+            pytest.fail("store._recorder is not loaded but CI_REQUIRE_SPEEDUPS=1")
+        pytest.skip("store._recorder is not built (or NIXL_PROMETHEUS_MP_PURE_PYTHON=1)")
+    with pytest.raises(TypeError, match="'float' object cannot be interpreted as an integer"):
+        native.Store((1, 2.5), store.writer.kinds(()), print, print)
+    with pytest.raises(ValueError, match="bounds must be non-negative"):
+        native.Store((-1,), store.writer.kinds(()), print, print)
