@@ -118,7 +118,12 @@ def root_owned_dir() -> Iterator[Path]:
         shutil.rmtree(top)
 
 
-@pytest.fixture(params=["helper", "thread"])
+# TEST_SERVE_MODES=helper narrows the serving modes (.ci/run's runs on the pure-Python twins and the other
+# Pythons, where serving does not depend on what the run varies).
+SERVE_MODES = os.environ.get("TEST_SERVE_MODES", "helper,thread").split(",")
+
+
+@pytest.fixture(params=SERVE_MODES)
 def serve_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test with an elected rank serving from its helper process, then from a thread of its own.
 

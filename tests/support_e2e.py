@@ -8,6 +8,7 @@ it starts: every child gets its own session (process group), and
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -100,8 +101,8 @@ def wait_until(probe: Callable[[], T | None], timeout: float, what: str | Callab
             value = probe()
             if value:
                 return value
-        except (OSError, ValueError, KeyError, AssertionError) as exc:
-            last_error = exc
+        except (OSError, ValueError, KeyError, AssertionError, http.client.HTTPException) as exc:
+            last_error = exc  # (HTTPException: a server that went away mid-answer, IncompleteRead)
         if time.monotonic() > deadline:
             if callable(what):
                 what = what()
