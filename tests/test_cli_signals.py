@@ -24,7 +24,7 @@ from support_e2e import Proc, Reaper, children_of, free_port, pids_alive, rank_e
 pytestmark = pytest.mark.usefixtures("serve_mode")  # the demo's ranks serve from a helper, and from a thread
 
 CLI = [sys.executable, "-m", "app"]
-TRIALS = 24
+TRIALS = 12  # per serving mode (the serve_mode fixture runs each test in both): 24 stops in all
 STOP_BOUND_S = 15.0
 BURST_CODE = """
 import os, signal, sys

@@ -295,7 +295,7 @@ SIGNALLED_TAKEOVERS = """
 def test_close_from_a_signal_handler_during_takeovers_never_hangs(tmp_dir):
     port = free_port()
     result, stderr = run_child(SIGNALLED_TAKEOVERS.replace("PELTER", repr(PELTER)), rank_env(tmp_dir, port),
-                               timeout=90, args=("400", "30"))
+                               timeout=90, args=("400", "15"))  # (15 s per serving mode)
     assert result["iterations"] >= 100 and result["handled"] >= 100, result
     assert result["threads"] == [], result
     assert "Traceback" not in stderr, stderr
