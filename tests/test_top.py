@@ -374,6 +374,12 @@ def tmux_window(tmp_path: Path) -> Iterator[Callable[[str, int, int], Tmux]]:
         window.close()
 
 
+def stty_shown(screen: str, marker: str) -> bool:
+    """The shell printed ``marker`` and then all of ``stty -a`` (its local modes line, last but one, included):
+    a capture taken between the two would find no terminal modes to check."""
+    return marker in screen and "isig" in screen.split(marker, 1)[1]
+
+
 def terminal_restored(screen: str, marker: str) -> bool:
     """The program is gone from the screen, and the terminal is back in its usual cooked, echoing mode."""
     stty = screen.split(marker, 1)[1].split()
@@ -406,13 +412,13 @@ def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Pat
     window.wait_for(rows_with_rates, "the view was not redrawn after growing back")
 
     window.tmux("send-keys", "-t", "top", "q")
-    screen = window.wait_for(lambda s: "QUIT=" in s, "q did not quit")
+    screen = window.wait_for(lambda s: stty_shown(s, "QUIT="), "q did not quit")
     assert "QUIT=0" in screen and "BEFORE" in screen and "Traceback" not in screen
     assert terminal_restored(screen, "QUIT=0"), screen
 
     window.wait_for(rows_with_rates, "the second view never drew the ranks")
     window.tmux("send-keys", "-t", "top", "C-c")
-    screen = window.wait_for(lambda s: "INTERRUPTED=" in s, "Ctrl-C did not stop the view")
+    screen = window.wait_for(lambda s: stty_shown(s, "INTERRUPTED="), "Ctrl-C did not stop the view")
     assert "INTERRUPTED=130" in screen and "Traceback" not in screen
     assert terminal_restored(screen, "INTERRUPTED=130"), screen
 
