@@ -130,12 +130,12 @@ class _Child:
         try:
             result = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
         except ChildProcessError:  # a host that ignores SIGCHLD or reaps in its own handler got there first
-            result = None
-        status = None
-        if result is not None:
-            status = -result.si_status if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else result.si_status
-        # Popen must not try to reap (or remember to reap) a pid that is no longer ours.
-        self.proc.returncode = 0 if status is None else status
+            self.proc.returncode = 0  # Popen must not try to reap (or remember to reap) a pid no longer ours
+            return None
+        if result is None:  # not gone yet (it did not die within KILL_WAIT_S of SIGKILL): Popen reaps it later
+            return None
+        status = -result.si_status if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else result.si_status
+        self.proc.returncode = status
         return status
 
     def close(self) -> None:
