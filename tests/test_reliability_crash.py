@@ -26,6 +26,7 @@ from support import (
 )
 
 from app import Exporter
+from election import address_is_held
 
 pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("serve_mode")]  # both ways of serving
 
@@ -125,6 +126,8 @@ def test_crash_storm_loses_only_the_takeover_gap(tmp_dir, reaper):
         else:
             rank.kill()
     assert not list(tmp_dir.glob("*.staging")), "a staging file leaked"
+    # The last owner's serving helper exits with it, within milliseconds: until then it holds the election.
+    wait_until(lambda: not address_is_held(tmp_dir, f"127.0.0.1:{port}"), 10.0, message="the election free")
     # A fresh exporter with TTL 0 (the next run) reaps every departed store on its first scrape.
     final = Exporter("final", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0"))
     try:
