@@ -80,14 +80,6 @@ class ScrapeEndpoint:
     def serving(self) -> bool:
         return self._listener is not None
 
-    @property
-    def server_pid(self) -> int | None:
-        """The process answering this address now: our helper, ourselves (a thread), or None (not serving)."""
-        supervisor = self._supervisor
-        if supervisor is not None and supervisor.ready_pid is not None:
-            return supervisor.ready_pid
-        return os.getpid() if self._listener is not None else None
-
     def claim(self, now_ns: int | None = None) -> int:
         """Run the election (and bind if won); returns when to try again (ns).
 

@@ -178,7 +178,6 @@ class HelperSupervisor:
         self._restart = threading.Event()
         self._lock = threading.RLock()  # reentrant: stop() may run in a signal handler that interrupted stop()
         self._child: _Child | None = None
-        self.ready_pid: int | None = None  # the helper serving now, once it said it is ready
         self._thread = threading.Thread(target=self._run, name=f"nixl-metrics-{spec.address}-helper", daemon=True)
 
     @property
@@ -240,7 +239,6 @@ class HelperSupervisor:
                 child, self._child = self._child, None
             if child is not None:
                 child.kill()
-            self.ready_pid = None
             self._host.helper_gone(self)
 
     def _supervise(self) -> None:
@@ -251,10 +249,8 @@ class HelperSupervisor:
                 return  # warned: the endpoint goes on serving from its thread
             ready = self._await_ready(child)
             if ready:
-                self.ready_pid = child.proc.pid
                 self._host.helper_ready(self)
                 self._watch(child)
-            self.ready_pid = None
             with self._lock:
                 self._child = None
                 status = child.reap()
