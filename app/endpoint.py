@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from app.helper import HelperSpec, HelperState, HelperSupervisor, helper_unusable
@@ -54,11 +54,12 @@ class ScrapeEndpoint:
     """
 
     def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp,
-                 helper: HelperSpec | None = None) -> None:
+                 helper: HelperSpec | None = None, on_watch: Callable[[], None] = lambda: None) -> None:
         self.election = election
         self.host, self.port = host, port
         self.app = app
         self.helper = helper  # None: serve from a thread only (NIXL_PROMETHEUS_MP_SERVE=thread)
+        self._on_watch = on_watch  # the owner's other periodic checks, made with watch()'s (see there)
         self.serving_since: float | None = None
         self.replaced_at: float | None = None  # when the directory was found replaced while we served
         self._listener: socket.socket | None = None  # held from the bind until we stop serving, whoever accepts
@@ -100,13 +101,20 @@ class ScrapeEndpoint:
             self._lock.release()
 
     def watch(self) -> None:
-        """While serving: notice a replaced directory (from scrapes, which an idle owner still gets)."""
-        if self._listener is not None and self._lock.acquire(blocking=False):
+        """While serving: notice a replaced directory, then run ``on_watch``.
+
+        Called from the thread server's scrapes and every WATCH_S by a helper's supervisor: an idle owner
+        makes no other periodic call, and with a helper its scrapes reach another process.
+        """
+        if self._listener is None:
+            return
+        if self._lock.acquire(blocking=False):
             try:
                 if self._listener is not None and not self._closed:
                     self._check_lock_file()
             finally:
                 self._lock.release()
+        self._on_watch()
 
     def _take_over(self, now_ns: int) -> int:
         outcome = self.election.try_win()

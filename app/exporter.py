@@ -70,15 +70,18 @@ class OwnerWatch:
     """Other live owners of the directory, each warned about once.
 
     Checked when an Exporter starts, then at most every WATCH_INTERVAL_NS from
-    the owner's scrapes and the writers' re-elections: the rank that elected
-    first also learns of a second owner that appeared after it.
+    the owner's periodic check (its scrapes, or its helper's supervisor) and
+    the writers' re-elections: the rank that elected first also learns of a
+    second owner that appeared after it.  ``logs=False`` (a serving helper,
+    whose rank logs the same check) only reports it in /healthz: one rank, one
+    line per other address.
     """
 
     WATCH_INTERVAL_NS = 10_000_000_000
 
-    def __init__(self, directory: Path, address: str) -> None:
+    def __init__(self, directory: Path, address: str, logs: bool = True) -> None:
         self.directory, self.address = directory, address
-        self._warner = OnceWarner(log)
+        self._warner = OnceWarner(log) if logs else None
         self._next_ns = 0
 
     def check(self) -> list[WarningDoc]:
@@ -89,7 +92,7 @@ class OwnerWatch:
         message = (f"{self.directory} is also served on {', '.join(others)}: every such address exports every "
                    "rank, so a Prometheus scraping more than one sees each series twice. Give every rank the same "
                    "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
-        for other in others:
+        for other in others if self._warner is not None else ():
             self._warner.warn(other, "%s", message)
         return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [self.address, *others]}}]
 
@@ -133,14 +136,11 @@ def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, Ow
         endpoint.watch()
         return endpoint.warnings() + health_warnings(owners, election)
 
-    def on_scrape() -> None:
-        endpoint.watch()
-        owners.poll()
-
-    app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings, on_scrape=on_scrape)
+    app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings,
+                     on_scrape=lambda: endpoint.watch())
     helper = None if config.serve == "thread" else HelperSpec(config.directory, config.stale_ttl_s, config.address,
                                                               agent_name)
-    endpoint = ScrapeEndpoint(election, config.host, config.port, app, helper)
+    endpoint = ScrapeEndpoint(election, config.host, config.port, app, helper, on_watch=owners.poll)
     return endpoint, owners
 
 

@@ -416,7 +416,7 @@ def _serve(args: argparse.Namespace, state: dict[str, Any], listener: socket.soc
 
     directory = Path(args.directory)
     election = OwnerElection(directory, args.address, problem=state["problem"])
-    owners = OwnerWatch(directory, args.address)
+    owners = OwnerWatch(directory, args.address, logs=False)  # the rank logs it, from its supervisor's watch
 
     def owner() -> dict[str, Any]:
         return owner_doc(pid=args.for_pid, agent_name=state["agent_name"], address=args.address,
@@ -427,6 +427,6 @@ def _serve(args: argparse.Namespace, state: dict[str, Any], listener: socket.soc
         replaced = [] if state["replaced_at"] is None else [replaced_warning(directory, state["replaced_at"])]
         return replaced + health_warnings(owners, election)
 
-    app = MetricsApp(Collector(directory, state["stale_ttl_s"]), owner, warnings, on_scrape=owners.poll)
+    app = MetricsApp(Collector(directory, state["stale_ttl_s"]), owner, warnings)
     return serve_in_thread(listener, app, f"nixl-helper-{args.address}")
 
