@@ -30,8 +30,11 @@ except ImportError:  # not POSIX: filelock's descriptor lock is the fallback pri
 log = logging.getLogger("nixl_prometheus_mp.election")
 _warner = OnceWarner(log)
 
-_OPEN_FLAGS = os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-_PROBE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+# A FIFO or a terminal planted under a lock file's name is refused once fstat tells (S_ISREG), so opening
+# it must neither block (O_NONBLOCK: a FIFO with no writer) nor make a terminal the controlling one of a
+# rank that leads its session (O_NOCTTY).  Neither flag changes anything for a regular file or its flock.
+_OPEN_FLAGS = os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+_PROBE_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 _WOULD_BLOCK = frozenset({errno.EWOULDBLOCK, errno.EAGAIN})
 # Shortages of the process or the system: they say nothing about the lock file, and pass.
 SCARCE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})

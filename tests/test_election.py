@@ -156,3 +156,25 @@ def test_forked_child_forgets_without_unlocking(tmp_dir: Path) -> None:
     assert election.held
     assert OwnerElection(tmp_dir, ADDR).try_win() is Outcome.LOST  # the parent still owns the address
     election.release()
+
+
+
+def test_lock_files_are_opened_without_blocking_nor_taking_a_terminal(tmp_dir: Path, monkeypatch) -> None:
+    """A FIFO or a terminal planted under a lock file's name is refused after fstat, so the open itself must
+    neither block nor make the terminal a session leader's controlling one (O_NONBLOCK | O_NOCTTY)."""
+    flags: list[int] = []
+    real_open = os.open
+
+    def recording_open(path: str | os.PathLike[str], mode: int, *args: int, **kwargs: int) -> int:
+        flags.append(mode)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    election = OwnerElection(tmp_dir, ADDR)
+    try:
+        assert election.try_win() is Outcome.WON
+        assert held_addresses_except(tmp_dir, OTHER) == [ADDR]  # the probe opens it too
+    finally:
+        election.release()
+    assert len(flags) == 2
+    assert all(f & os.O_NONBLOCK and f & os.O_NOCTTY and f & os.O_NOFOLLOW for f in flags), flags
