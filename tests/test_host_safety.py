@@ -368,7 +368,7 @@ ACCEPT_STARVED = """
 @pytest.mark.timeout(120)
 def test_accept_without_descriptors_backs_off_and_recovers(tmp_dir, serve_mode):
     if serve_mode == "helper":
-        pytest.skip("a thread of the rank's accepts here: a helper accepts in a process whose descriptors are its own")
+        pytest.skip("a thread of the rank accepts here; a helper out of descriptors: test_serving_helper.py")
     port = free_port()
     result, stderr = run_child(ACCEPT_STARVED, rank_env(tmp_dir, port), timeout=60, args=(str(port),))
     # A spinning accept loop burns the whole window (about 2 s) of CPU; backing off costs a few ticks.

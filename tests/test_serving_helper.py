@@ -200,6 +200,45 @@ def test_the_endpoint_answers_while_the_rank_is_stopped(tmp_dir: Path, reaper) -
     assert owner_rank.serving()
 
 
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+
+
+def test_a_helper_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, reaper) -> None:
+    """accept() failing with EMFILE in the helper (its own descriptor limit) pauses instead of spinning, is said
+    once, and the helper answers the waiting connection as soon as it has descriptors again: it never exits."""
+    import resource
+    import socket
+    port = free_port()
+    owner_rank = rank(reaper, tmp_dir, port)
+    helper = wait_for_helper(port, owner_rank.pid)
+    owner_rank.events([(0, 7)])
+    limits = resource.prlimit(helper, resource.RLIMIT_NOFILE)
+    open_fds = {int(fd) for fd in os.listdir(f"/proc/{helper}/fd")}
+    lowest_free = next(fd for fd in range(len(open_fds) + 1) if fd not in open_fds)
+    resource.prlimit(helper, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # the next descriptor: EMFILE
+    client = socket.create_connection(("127.0.0.1", port), timeout=15)  # pending: accept() fails meanwhile
+    try:
+        before, started = _cpu_s(helper), time.monotonic()
+        time.sleep(2.0)
+        used, window = _cpu_s(helper) - before, time.monotonic() - started
+        resource.prlimit(helper, resource.RLIMIT_NOFILE, limits)
+        client.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := client.recv(65536):
+            reply += chunk
+    finally:
+        client.close()
+    # A spinning accept loop burns the whole window of CPU; backing off costs a few ticks.
+    assert used < 0.25 * window, (used, window)
+    assert reply.split(b"\r\n", 1)[0].endswith(b" 200 OK") and b"agent_tx_bytes_total" in reply, reply[:200]
+    assert owner(port)["server_pid"] == helper  # the same helper, still serving
+    said = [line for line in owner_rank.stderr().splitlines() if "cannot accept connections" in line]
+    assert len(said) == 1 and "serving helper" in said[0], owner_rank.stderr()
+
+
 # -- the helper never outlives its rank ------------------------------------------------------------------------
 
 SHORT_LIVED_THREAD_TAKEOVER = textwrap.dedent("""
