@@ -92,8 +92,9 @@ class OwnerWatch:
         message = (f"{self.directory} is also served on {', '.join(others)}: every such address exports every "
                    "rank, so a Prometheus scraping more than one sees each series twice. Give every rank the same "
                    "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
-        for other in others if self._warner is not None else ():
-            self._warner.warn(other, "%s", message)
+        if self._warner is not None:
+            for other in others:
+                self._warner.warn(other, "%s", message)
         return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [self.address, *others]}}]
 
     def poll(self) -> None:
