@@ -379,11 +379,18 @@ EXPORTER_RANK_SCRIPT = textwrap.dedent("""
 
     stop = threading.Event()
     hz = float(os.environ.get("RANK_TICK_HZ", "0"))
+    ticker = None
     if hz > 0:
         def tick():
             while not stop.wait(1.0 / hz):
                 exp.export_event(3, 1)  # AGENT_RX_REQUESTS_NUM
-        threading.Thread(target=tick, daemon=True).start()
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+
+    def stop_ticking():  # joined, or an export already past stop.wait() lands after close() (and is warned of)
+        stop.set()
+        if ticker is not None:
+            ticker.join()
 
     reply(status(ready=True))
     for line in sys.stdin:
@@ -401,14 +408,14 @@ EXPORTER_RANK_SCRIPT = textwrap.dedent("""
             ctypes.PyDLL(None).usleep(int(cmd["us"]))
             reply(status(held=True))
         elif op == "close":
-            stop.set()
+            stop_ticking()
             exp.close()
             reply(status(closed=True))
         elif op == "exit":
             break
         else:
             reply({"error": f"unknown op {op!r}"})
-    stop.set()
+    stop_ticking()
     exp.close()
 """)
 
