@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
+import socket
 import sys
 import textwrap
 import threading
@@ -56,13 +58,17 @@ def wait_for_helper(port: int, rank_pid: int | None = None, timeout: float = STA
     return wait_until(served_by_helper, timeout, message=f"a serving helper answering on port {port}")
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: the state letter first, ppid at 1, utime and stime at 11 and 12."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def process_state(pid: int) -> str | None:
     """The process's state letter (R, S, T, Z, ...), or None once it is gone (reaped)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(pid)[0]
     except OSError:
         return None
-    return stat.rpartition(")")[2].split()[0]
 
 
 def gone(pid: int) -> bool:
@@ -79,10 +85,9 @@ def children_of(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
+                fields = stat_fields(int(entry))
             except OSError:
                 continue
-            fields = stat.rpartition(")")[2].split()
             if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
                 found.append(int(entry))
     return found
@@ -201,16 +206,14 @@ def test_the_endpoint_answers_while_the_rank_is_stopped(tmp_dir: Path, reaper) -
 
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+def cpu_s(pid: int) -> float:
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
 
 
 def test_a_helper_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, reaper) -> None:
     """accept() failing with EMFILE in the helper (its own descriptor limit) pauses instead of spinning, is said
     once, and the helper answers the waiting connection as soon as it has descriptors again: it never exits."""
-    import resource
-    import socket
     port = free_port()
     owner_rank = rank(reaper, tmp_dir, port)
     helper = wait_for_helper(port, owner_rank.pid)
@@ -221,9 +224,9 @@ def test_a_helper_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, 
     resource.prlimit(helper, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # the next descriptor: EMFILE
     client = socket.create_connection(("127.0.0.1", port), timeout=15)  # pending: accept() fails meanwhile
     try:
-        before, started = _cpu_s(helper), time.monotonic()
+        before, started = cpu_s(helper), time.monotonic()
         time.sleep(2.0)
-        used, window = _cpu_s(helper) - before, time.monotonic() - started
+        used, window = cpu_s(helper) - before, time.monotonic() - started
         resource.prlimit(helper, resource.RLIMIT_NOFILE, limits)
         client.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
         reply = b""
@@ -363,7 +366,7 @@ def test_a_helper_killed_alone_is_replaced_and_close_reaps_it(tmp_dir: Path, rea
 
 def _parent(pid: int) -> int | None:
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        return int(stat_fields(pid)[1])
     except OSError:
         return None
 
