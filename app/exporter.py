@@ -40,7 +40,7 @@ from app.web import MetricsApp, WarningDoc
 from election import OwnerElection, address_is_held, held_addresses_except
 from store import StoreIdentity, StoreWriter
 from store.warnonce import OnceWarner
-from store.writer import NullSink
+from store.recorders import NullSink
 
 log = logging.getLogger("nixl_prometheus_mp")
 

@@ -5,7 +5,7 @@ was built: ``export_event`` and ``record_transfer`` are then C methods that
 record through the writer's C Store with no Python frame per event.
 ``PyRecording`` is their pure-Python twin, used where the extension is not
 built, when NIXL_PROMETHEUS_MP_PURE_PYTHON=1, and whenever the bound sink has
-no C Store.  Both validate through store.writer's validators, so they raise
+no C Store.  Both validate through store.recorders' validators, so they raise
 the same errors, and both call ``self._on_deadline()`` only once an event's
 heartbeat reaches ``self._next_claim_ns``.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from store.metrics import ERROR_EVENTS, EventType, error_status
-from store.writer import NATIVE, Recorder, TransferRecorder, event_type, recorder_for, transfer_direction
+from store.recorders import NATIVE, Recorder, TransferRecorder, event_type, recorder_for, transfer_direction
 
 _STATUS_EVENTS = {error_status(ev): ev for ev in ERROR_EVENTS}
 
 
 class Sink(Protocol):
-    """What recording binds to: a StoreWriter, or store.writer.NullSink."""
+    """What recording binds to: a StoreWriter, or store.recorders.NullSink."""
 
     native: Any
     recorders: dict[int, Recorder]

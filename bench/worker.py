@@ -74,7 +74,7 @@ class _NoOp:
 
 
 def record_ours() -> tuple[dict[str, Any], Handler]:
-    import store.writer
+    import store.recorders
     from app import Exporter
     from store import EventType as E
     from store import layout as L
@@ -118,7 +118,7 @@ def record_ours() -> tuple[dict[str, Any], Handler]:
         words = memoryview(exp.store_path.read_bytes()).cast("Q")
         return int(words[L.W_COUNTERS + E.AGENT_TX_REQUESTS_NUM] + words[L.W_COUNTERS + E.AGENT_RX_REQUESTS_NUM])
 
-    hello = {"serving": exp.serving, "store": str(exp.store_path), "native": store.writer.NATIVE is not None}
+    hello = {"serving": exp.serving, "store": str(exp.store_path), "native": store.recorders.NATIVE is not None}
     return hello, _record_handler({"events": events, "transfer": transfer, "one": one, "noop": floor},
                                   requests)
 def record_ref() -> tuple[dict[str, Any], Handler]:

@@ -1,8 +1,9 @@
 """The writer library: NIXL prometheus_mp per-process stores.
 
 ``layout`` is the on-disk contract, ``metrics`` the descriptor (event types,
-families, buckets), ``writer`` the per-agent ``StoreWriter``, ``reader`` the
-snapshot reader and liveness probe.  Nothing here knows about elections or
+families, buckets), ``recorders`` the hot path (one recorder per event type,
+and the validators), ``writer`` the per-agent ``StoreWriter`` (the store
+file's life), ``reader`` the snapshot reader and liveness probe.  Nothing here knows about elections or
 HTTP.
 """
 

@@ -91,15 +91,15 @@ def recording_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     C run is skipped where the extension is not built, unless
     CI_REQUIRE_SPEEDUPS=1 (CI), where that is a failure.
     """
-    import store.writer
+    import store.recorders
 
     if request.param == "c":
-        if store.writer.NATIVE is None:
+        if store.recorders.NATIVE is None:
             if os.environ.get("CI_REQUIRE_SPEEDUPS") == "1":
                 pytest.fail("store._recorder is not loaded but CI_REQUIRE_SPEEDUPS=1")
             pytest.skip("store._recorder is not built (or NIXL_PROMETHEUS_MP_PURE_PYTHON=1)")
     else:
-        monkeypatch.setattr(store.writer, "NATIVE", None)
+        monkeypatch.setattr(store.recorders, "NATIVE", None)
     return str(request.param)
 
 

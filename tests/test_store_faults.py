@@ -25,7 +25,7 @@ import pytest
 from conftest import PROJECT_ROOT
 from support import free_port
 
-import store.writer
+import store.recorders
 from store import layout as L
 from store.metrics import EventType
 
@@ -37,7 +37,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 @pytest.fixture(params=["c", "python"])
 def child_env(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str]:
     """Environment of a rank on the chosen recording path, with its own directory and port."""
-    if request.param == "c" and store.writer.NATIVE is None:
+    if request.param == "c" and store.recorders.NATIVE is None:
         if os.environ.get("CI_REQUIRE_SPEEDUPS") == "1":
             pytest.fail("store._recorder is not loaded but CI_REQUIRE_SPEEDUPS=1")
         pytest.skip("store._recorder is not built")

@@ -21,7 +21,7 @@ import pytest
 from conftest import PROJECT_ROOT
 
 import store.native
-import store.writer
+import store.recorders
 from store import layout as L
 
 REQUIRED = os.environ.get("CI_REQUIRE_SPEEDUPS") == "1"
@@ -29,7 +29,7 @@ REQUIRED = os.environ.get("CI_REQUIRE_SPEEDUPS") == "1"
 # One process's recording; prints which path it ran and what each refused call raised.
 _SCRIPT = textwrap.dedent("""
     import json, os, random, sys
-    import store.writer
+    import store.recorders
     from store import EventType, StoreIdentity, StoreWriter
     from app import Exporter
 
@@ -64,7 +64,7 @@ _SCRIPT = textwrap.dedent("""
     for w in writers:
         w.close()
     exp.close()
-    print(json.dumps({"native": store.writer.NATIVE is not None,
+    print(json.dumps({"native": store.recorders.NATIVE is not None,
                       "exporter_store": type(exp._store).__name__ if hasattr(exp, "_store") else None,
                       "stores": sorted(os.listdir(directory)), "errors": errors}))
 """)
@@ -93,7 +93,7 @@ def _comparable(path: Path) -> bytes:
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_c_and_python_paths_write_identical_stores_and_raise_identical_errors(tmp_path: Path, seed: int) -> None:
-    if store.writer.NATIVE is None and not REQUIRED:
+    if store.recorders.NATIVE is None and not REQUIRED:
         pytest.skip("store._recorder is not built: nothing to compare the Python path with")
     c_dir, py_dir = tmp_path / "c", tmp_path / "py"
     c_dir.mkdir(mode=0o700)
@@ -117,8 +117,8 @@ def test_pure_python_environment_forces_the_python_path(tmp_path: Path) -> None:
     directory.mkdir(mode=0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIXL_")}
     env["NIXL_PROMETHEUS_MP_PURE_PYTHON"] = "1"
-    code = ("import store.writer, app.recording as r; "
-            "print(store.writer.NATIVE is None, r.Recording is r.PyRecording)")
+    code = ("import store.recorders, app.recording as r; "
+            "print(store.recorders.NATIVE is None, r.Recording is r.PyRecording)")
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.stdout.split() == ["True", "True"], done.stderr
@@ -129,7 +129,7 @@ def test_extension_is_loaded_where_ci_requires_it(tmp_path: Path) -> None:
     if not REQUIRED:
         pytest.skip("CI_REQUIRE_SPEEDUPS is not 1")
     assert not store.native.pure_python_forced()
-    assert store.writer.NATIVE is not None, "store._recorder was not built or not loadable"
+    assert store.recorders.NATIVE is not None, "store._recorder was not built or not loadable"
     import app.recording
 
     assert app.recording.Recording is not app.recording.PyRecording
@@ -143,9 +143,9 @@ def test_bounds_the_c_table_cannot_hold_take_the_python_path(tmp_dir: Path, make
     writer = make_writer(bounds=bounds)
     assert writer.native is None
     for value in (0, 7, 50, 500):
-        writer.record(store.writer.EventType.AGENT_XFER_TIME, value)
+        writer.record(store.recorders.EventType.AGENT_XFER_TIME, value)
     words = memoryview(writer.path.read_bytes()).cast("Q")
-    base = L.W_BUCKETS + store.writer.EventType.AGENT_XFER_TIME * L.BUCKET_SLOTS
+    base = L.W_BUCKETS + store.recorders.EventType.AGENT_XFER_TIME * L.BUCKET_SLOTS
     expected = [0] * L.BUCKET_SLOTS
     for value in (0, 7, 50, 500):
         expected[bisect_left([int(b // 1) for b in bounds], value)] += 1
@@ -158,7 +158,7 @@ def test_bounds_the_c_table_cannot_hold_take_the_python_path(tmp_dir: Path, make
 
 _C_PREAMBLE = textwrap.dedent("""
     import mmap, sys
-    import store.writer as W
+    import store.recorders as W
     from store import EventType, layout as L
     R = W.NATIVE
     assert R is not None, "store._recorder is not loaded"
@@ -176,7 +176,7 @@ _C_PREAMBLE = textwrap.dedent("""
 
 def _run_c_path(code: str) -> str:
     """Run ``code`` (after _C_PREAMBLE) in a fresh interpreter on the C recording path; its stdout."""
-    if store.writer.NATIVE is None and not REQUIRED:
+    if store.recorders.NATIVE is None and not REQUIRED:
         pytest.skip("store._recorder is not built (or NIXL_PROMETHEUS_MP_PURE_PYTHON=1)")
     env = {k: v for k, v in os.environ.items() if k != "NIXL_PROMETHEUS_MP_PURE_PYTHON"}
     done = subprocess.run([sys.executable, "-c", _C_PREAMBLE + textwrap.dedent(code)], cwd=PROJECT_ROOT, env=env,
@@ -290,12 +290,12 @@ def test_a_validator_that_returns_instead_of_raising_still_refuses_or_decides() 
 
 
 def test_a_bound_that_is_not_an_integer_is_refused_as_such() -> None:
-    native = store.writer.NATIVE
+    native = store.recorders.NATIVE
     if native is None:
         if REQUIRED:
             pytest.fail("store._recorder is not loaded but CI_REQUIRE_SPEEDUPS=1")
         pytest.skip("store._recorder is not built (or NIXL_PROMETHEUS_MP_PURE_PYTHON=1)")
     with pytest.raises(TypeError, match="'float' object cannot be interpreted as an integer"):
-        native.Store((1, 2.5), store.writer.kinds(()), print, print)
+        native.Store((1, 2.5), store.recorders.kinds(()), print, print)
     with pytest.raises(ValueError, match="bounds must be non-negative"):
-        native.Store((-1,), store.writer.kinds(()), print, print)
+        native.Store((-1,), store.recorders.kinds(()), print, print)
