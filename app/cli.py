@@ -22,14 +22,23 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from app.collector import Collector
-from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, ConfigError, prepare_directory
+from app.config import (
+    DIR_ENV,
+    LOCAL_ENV,
+    MAX_TTL_S,
+    PORT_ENV,
+    TTL_ENV,
+    Config,
+    ConfigError,
+    ascii_int,
+    prepare_directory,
+)
+from app.probe import die_with_parent, exit_words, get_healthz, port_holders
 from store import EventType, native
 from store.layout import STORE_PREFIX, STORE_SUFFIX, is_store_name
 from store.reader import Snapshot, Unreadable, open_store, probe_alive, read_fd
@@ -101,12 +110,11 @@ CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.
 
 def _demo_rank(args: argparse.Namespace) -> int:
     """One demo rank: NIXL-like transfers until SIGTERM/SIGINT or the duration ends."""
-    from app import Exporter
-    from app.standalone import _die_with
+    from app.exporter import Exporter
 
     stop = StopSignals()
     if args.parent_pid:
-        _die_with(args.parent_pid)  # a demo killed with SIGKILL cannot forward SIGTERM to its ranks
+        die_with_parent(args.parent_pid)  # a demo killed with SIGKILL cannot forward SIGTERM to its ranks
     rng = random.Random(os.getpid())
     deadline = time.monotonic() + args.duration if args.duration else None
     with Exporter(args.name) as exp:
@@ -171,16 +179,6 @@ def _show(text: str, end: str = "\n") -> None:
         signal.raise_signal(signal.SIGHUP)
 
 
-def _ending(status: int) -> str:
-    """A rank's exit status in words: "exited with status 3", "was killed by SIGKILL"."""
-    if status >= 0:
-        return f"exited with status {status}"
-    try:
-        return f"was killed by {signal.Signals(-status).name}"
-    except ValueError:
-        return f"was killed by signal {-status}"
-
-
 def _is_failure(status: int) -> bool:
     """A rank's own failure; a rank someone killed (kill -9 of the serving rank, say) is not the demo's."""
     return status > 0 or (status < 0 and -status in CRASH_SIGNALS)
@@ -190,7 +188,7 @@ def _report_ended(procs: list[subprocess.Popen[bytes]], reported: dict[int, str]
     """A line for each rank that ended other than cleanly since the last call, kept in ``reported``."""
     for rank, p in enumerate(procs):
         if p.poll() and rank not in reported:
-            reported[rank] = f"rank {rank} (pid {p.pid}) {_ending(p.returncode)}"
+            reported[rank] = f"rank {rank} (pid {p.pid}) {exit_words(p.returncode)}"
             _show(("\n" if interactive else "") + reported[rank])
 
 
@@ -201,26 +199,6 @@ def _failures(procs: list[subprocess.Popen[bytes]], reported: dict[int, str]) ->
         raise CliError(f"{len(failed)} of {len(procs)} demo ranks failed: {', '.join(failed)}")
 
 
-def _port_holders(port: int) -> str:
-    """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()  # sl local_address rem_address st ... inode
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    holders = []
-    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
-        with contextlib.suppress(OSError):
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
-                holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
-    return ", ".join(holders) or "a process this user cannot see"
-
-
 def _check_port_free(port: int) -> None:
     """Refuse, naming the holder, a port another program already listens on."""
     from app.server import bind_listener
@@ -229,25 +207,9 @@ def _check_port_free(port: int) -> None:
         bind_listener("127.0.0.1", port).close()
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise CliError(f"port {port} on 127.0.0.1 is already in use by {_port_holders(port)}: stop it or "
+            raise CliError(f"port {port} on 127.0.0.1 is already in use by {port_holders(port)}: stop it or "
                            "choose another port with --port") from None
         raise CliError(f"cannot listen on 127.0.0.1:{port}: {os.strerror(exc.errno or 0)}") from None
-
-
-def _healthz_owner_pid(port: int) -> int | None:
-    """The owner pid /healthz on 127.0.0.1:``port`` reports, if anything there answers like this project."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:  # an unhealthy run answers 503 with the same document
-        body = exc.read()
-    except OSError:
-        return None
-    try:
-        pid = json.loads(body)["owner"]["pid"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return pid if isinstance(pid, int) else None
 
 
 def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSignals) -> int | None:
@@ -256,13 +218,14 @@ def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSig
     deadline = time.monotonic() + OWNER_WAIT_S
     while not stop.wait(0.1):
         if all(p.poll() is not None for p in procs):
-            raise CliError(f"every demo rank ended before serving: rank 0 {_ending(procs[0].returncode)}")
-        owner = _healthz_owner_pid(port)
-        if owner in pids:
-            return owner
+            raise CliError(f"every demo rank ended before serving: rank 0 {exit_words(procs[0].returncode)}")
+        owner = get_healthz("127.0.0.1", port).owner
+        pid = None if owner is None else owner.get("pid")
+        if isinstance(pid, int) and pid in pids:
+            return pid
         if time.monotonic() > deadline:
             raise CliError(f"no demo rank serves 127.0.0.1:{port} after {OWNER_WAIT_S:.0f} s; the port is held by "
-                           f"{_port_holders(port)}")
+                           f"{port_holders(port)}")
     return None
 
 
@@ -508,15 +471,11 @@ def _ttl_flag(text: str) -> float:
 def _bounded(kind: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], Any]:
     """An argparse ``type``: refuses, naming the value, anything but ``what``."""
     def parse(text: str) -> Any:
-        digits = text.strip()
-        # int() would also take "1_000" and non-ASCII digits: only ASCII decimals are integers here.
-        if kind is int and not (digits.isascii() and digits.isdigit()):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         try:
-            value = kind(digits)
+            value = ascii_int(text) if kind is int else kind(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not ok(value):
+            value = None
+        if value is None or not ok(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
     return parse

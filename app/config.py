@@ -63,15 +63,22 @@ def parse_flag(name: str, text: str | None) -> bool:
         raise ConfigError(str(exc)) from None
 
 
+def ascii_int(text: str) -> int | None:
+    """``text`` (spaces around it aside) as a whole number written in ASCII digits, else None.
+
+    int() would also take "1_9111", "+5" and non-ASCII digits such as "١٩١١١": a number an operator
+    writes in a setting or a flag is written in ASCII digits everywhere else.
+    """
+    digits = text.strip()
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
 def _port(text: str | None) -> int:
     if text is None or not text.strip():
         return DEFAULT_PORT
-    digits = text.strip()
-    # int() would also take "1_9111" and non-ASCII digits such as "١٩١١١":
-    # a port number is written in ASCII digits everywhere else.
-    if not (digits.isascii() and digits.isdigit()):
+    port = ascii_int(text)
+    if port is None:
         raise ConfigError(f"{PORT_ENV}={text!r} is not a port number (ASCII digits, 1..65535)")
-    port = int(digits)
     if not 1 <= port <= 65535:
         raise ConfigError(f"{PORT_ENV}={text!r} is outside 1..65535")
     return port

@@ -24,9 +24,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from app.health import WarningDoc, owner_doc, replaced_warning
 from app.helper import HelperSpec, HelperState, HelperSupervisor, helper_unusable
 from app.server import BoundedServer, bind_listener, close_listener, serve_in_thread
-from app.web import MetricsApp, WarningDoc, owner_doc, replaced_warning
+from app.web import MetricsApp
 from election import Outcome, OwnerElection, held_addresses_except
 from election.lock import SCARCE
 from store.warnonce import OnceWarner

@@ -28,18 +28,17 @@ from app.config import (
     EXPORTER_NAME,
     Config,
     ConfigError,
-    directory_warnings,
     parse_flag,
     prepare_directory,
     unwritable_directory,
 )
 from app.endpoint import BACKOFF_NS, CLOSE_WAIT_S, NEVER, ScrapeEndpoint
+from app.health import OwnerWatch, WarningDoc, health_warnings
 from app.helper import HelperSpec
 from app.recording import Recording
-from app.web import MetricsApp, WarningDoc
-from election import OwnerElection, address_is_held, held_addresses_except
+from app.web import MetricsApp
+from election import OwnerElection
 from store import StoreIdentity, StoreWriter
-from store.warnonce import OnceWarner
 from store.recorders import NullSink
 
 log = logging.getLogger("nixl_prometheus_mp")
@@ -64,62 +63,6 @@ def _check_agent_name(agent_name: object) -> None:
 def _next_instance() -> int:
     with _instances_lock:
         return next(_instances)
-
-
-class OwnerWatch:
-    """Other live owners of the directory, each warned about once.
-
-    Checked when an Exporter starts, then at most every WATCH_INTERVAL_NS from
-    the owner's periodic check (its scrapes, or its helper's supervisor) and
-    the writers' re-elections: the rank that elected first also learns of a
-    second owner that appeared after it.  ``logs=False`` (a serving helper,
-    whose rank logs the same check) only reports it in /healthz: one rank, one
-    line per other address.
-    """
-
-    WATCH_INTERVAL_NS = 10_000_000_000
-
-    def __init__(self, directory: Path, address: str, logs: bool = True) -> None:
-        self.directory, self.address = directory, address
-        self._warner = OnceWarner(log) if logs else None
-        self._next_ns = 0
-
-    def check(self) -> list[WarningDoc]:
-        """The duplicate-owners warning for /healthz (logged once per other address)."""
-        others = held_addresses_except(self.directory, self.address)
-        if not others or not address_is_held(self.directory, self.address):
-            return []  # (ours not served: a rank that cannot bind says why itself, see ScrapeEndpoint)
-        message = (f"{self.directory} is also served on {', '.join(others)}: every such address exports every "
-                   "rank, so a Prometheus scraping more than one sees each series twice. Give every rank the same "
-                   "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
-        if self._warner is not None:
-            for other in others:
-                self._warner.warn(other, "%s", message)
-        return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [self.address, *others]}}]
-
-    def poll(self) -> None:
-        """check(), at most once per WATCH_INTERVAL_NS."""
-        now = time.monotonic_ns()
-        if now >= self._next_ns:
-            self._next_ns = now + self.WATCH_INTERVAL_NS
-            self.check()
-
-
-def health_warnings(owners: OwnerWatch, election: OwnerElection) -> list[WarningDoc]:
-    """The run-level problems /healthz reports besides the collector's."""
-    directory = owners.directory
-    warnings = owners.check()
-    if election.problem:
-        warnings.append({"kind": "unusable-lock", "message": election.problem,
-                         "details": {"lock_file": str(election.path)}})
-    try:
-        for problem in directory_warnings(directory):
-            warnings.append({"kind": "directory-permissions", "message": problem,
-                             "details": {"directory": str(directory)}})
-    except ConfigError as exc:
-        warnings.append({"kind": "directory-permissions", "message": str(exc),
-                         "details": {"directory": str(directory)}})
-    return warnings
 
 
 def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, OwnerWatch]:

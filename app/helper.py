@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from app.probe import exit_words
 from app.server import holding_off_fork
 from store.warnonce import OnceWarner
 
@@ -262,8 +263,7 @@ class HelperSupervisor:
                 _warner.warn(("not-ready", self.spec.address),
                              "the serving helper of %s (pid %d) %s before it was ready; this process serves its "
                              "telemetry endpoint from a thread instead, which a busy or stopped process holds up",
-                             self.spec.address, child.proc.pid,
-                             f"exited with status {status}" if status is not None else "exited")
+                             self.spec.address, child.proc.pid, exit_words(status))
                 return
             self._host.helper_gone(self)
             if self._restart.is_set():
@@ -272,9 +272,9 @@ class HelperSupervisor:
                 continue
             backoff_s = 0.0 if lifetime_s >= STABLE_S else min(max(2 * backoff_s, RESTART_BACKOFF_MIN_S),
                                                                  RESTART_BACKOFF_MAX_S)
-            log.warning("the serving helper of %s (pid %d) exited (%s) after %.1f s; this process serves from a "
-                        "thread meanwhile and starts a new helper in %.2f s", self.spec.address, child.proc.pid,
-                        _describe_status(status), lifetime_s, backoff_s)
+            log.warning("the serving helper of %s (pid %d) %s after %.1f s; this process serves from a thread "
+                        "meanwhile and starts a new helper in %.2f s", self.spec.address, child.proc.pid,
+                        exit_words(status), lifetime_s, backoff_s)
             if self._stopping.wait(backoff_s):
                 return
 
@@ -350,16 +350,6 @@ class HelperSupervisor:
             self._host.watch()
 
 
-def _describe_status(status: int | None) -> str:
-    if status is None:
-        return "reaped by another handler of this process"
-    if status < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-status).name}"
-        return f"killed by signal {-status}"
-    return f"status {status}"
-
-
 def _state_args(spec: HelperSpec, state: HelperState, channel_fd: int) -> dict[str, Any]:
     return {"listener_fd": state.listener_fd, "lock_fd": state.lock_fd, "channel_fd": channel_fd,
             "agent_name": spec.agent_name, "stale_ttl_s": spec.stale_ttl_s, "problem": state.problem,
@@ -409,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace, state: dict[str, Any], listener: socket.socket) -> tuple[Any, threading.Thread]:
     from app.collector import Collector
-    from app.exporter import OwnerWatch, health_warnings
+    from app.health import OwnerWatch, WarningDoc, health_warnings, owner_doc, replaced_warning
     from app.server import serve_in_thread
-    from app.web import MetricsApp, WarningDoc, owner_doc, replaced_warning
+    from app.web import MetricsApp
     from election import OwnerElection
 
     directory = Path(args.directory)

@@ -10,24 +10,18 @@ reader only probes, and reaping re-checks under an exclusive lock.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import logging
 import os
-import re
-import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from app.collector import Collector
-from app.config import LOCAL_ENV, PORT_ENV, Config, ConfigError, prepare_directory
+from app.config import LOCAL_ENV, PORT_ENV, Config, ConfigError, ascii_int, prepare_directory
 from app.endpoint import RETRY_NS
-from app.exporter import OwnerWatch, health_warnings
-from app.web import MetricsApp, owner_doc
+from app.health import OwnerWatch, health_warnings, owner_doc
+from app.probe import die_with_parent, get_healthz, lock_holder_pid
+from app.web import MetricsApp
 from election import Outcome, OwnerElection, lock_file_name
 
 try:
@@ -37,7 +31,6 @@ except ImportError:  # gunicorn is a run-time dependency, but the app must not n
         pass
 
 log = logging.getLogger("nixl_prometheus_mp.standalone")
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class AggregatorConfigError(ConfigError, _AppLoadError):
@@ -71,9 +64,10 @@ def gunicorn_counts(environ: Mapping[str, str] | None = None) -> tuple[int, int]
         if not text:
             counts.append(default)
             continue
-        if re.fullmatch(r"[0-9]+", text) is None or not 1 <= int(text) <= maximum:
+        count = ascii_int(text)
+        if count is None or not 1 <= count <= maximum:
             raise ConfigError(f"{name}={env[name]!r} is not a whole number in 1..{maximum}")
-        counts.append(int(text))
+        counts.append(count)
     return counts[0], counts[1]
 
 
@@ -155,39 +149,16 @@ def describe_holder(config: Config, pid: int | None) -> tuple[str, bool]:
     the pid the kernel reports for the lock (/proc/locks).
     """
     host = "127.0.0.1" if config.host == "0.0.0.0" else config.host
-    serving = True
-    try:
-        # No proxy: the holder is on this host, and an http_proxy from the environment would not reach it.
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(f"http://{host}:{config.port}/healthz", timeout=1) as response:
-            owner = json.load(response)["owner"]
-        what = f"pid {owner['pid']} on {owner['hostname']} ({owner['mode']}"
+    answer = get_healthz(host, config.port)
+    owner = answer.owner
+    if owner is not None:
+        what = f"pid {owner.get('pid')} on {owner.get('hostname')} ({owner.get('mode')}"
         return what + (f", agent {owner['agent_name']})" if owner.get("agent_name") else ")"), True
-    except urllib.error.HTTPError:
-        pass  # it serves, without our /healthz
-    except (OSError, ValueError, KeyError, TypeError):
-        serving = False  # nothing answers (yet), or not over plain HTTP
+    serving = answer.status is not None  # it answers HTTP, without our /healthz; else nothing answers (yet)
     who = f"pid {pid}" if pid else "another process"
     if serving:
         return f"{who} (serving {config.address} without /healthz: NIXL's C++ plug-in?)", True
     return f"{who} (its /healthz does not answer yet)", False
-
-
-def lock_holder_pid(path: Path) -> int | None:
-    """The pid /proc/locks gives for the flock on ``path`` (None: not found, or in another pid namespace)."""
-    try:
-        st = os.stat(path)
-        with open("/proc/locks") as locks:
-            lines = locks.read().splitlines()
-    except OSError:
-        return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    for line in lines:
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; blocked waiters have "->" and are skipped.
-        fields = line.split()
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
-            return int(fields[4]) or None
-    return None
 
 
 def refuse_reexec(config: Config) -> None:
@@ -218,19 +189,7 @@ def worker_forked() -> None:
     """
     if _master.election is not None and _master.pid != os.getpid():
         _master.election.forget_after_fork()
-        _die_with(_master.pid)
-
-
-def _die_with(master_pid: int | None) -> None:
-    """PR_SET_PDEATHSIG: SIGKILL this process when its parent dies (Linux; elsewhere nothing)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    if master_pid is not None and os.getppid() != master_pid:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
+        die_with_parent(_master.pid)
 
 
 def _owner_info(config: Config) -> dict[str, Any]:

@@ -22,14 +22,11 @@ encoding to another).
 
 from __future__ import annotations
 
-import datetime
 import gzip
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -42,11 +39,11 @@ from werkzeug.wrappers import Request, Response
 
 from app.collector import Collection, Collector, RankView
 from app.exposition import Renderer
+from app.health import WarningDoc
 from store import native
 
 log = logging.getLogger("nixl_prometheus_mp.web")
 
-WarningDoc = dict[str, Any]
 OwnerInfo = Callable[[], dict[str, Any]]
 ExtraWarnings = Callable[[], list[WarningDoc]]
 
@@ -110,35 +107,6 @@ def _rank_json(view: RankView) -> dict[str, Any]:
     if view.reap_in_s is not None:
         out["seconds_until_reaped"] = round(view.reap_in_s, 3)
     return out
-
-
-def _iso(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat()
-
-
-def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, flock: bool,
-              since: float | None, server_pid: int, serving: str) -> dict[str, Any]:
-    """/healthz's ``owner``: who holds this address's election, how it was elected, since when, and which
-    process answers (``server_pid``) how (``serving``: "helper", "thread" or, standalone, "gunicorn")."""
-    return {
-        "pid": pid,
-        "hostname": socket.gethostname(),
-        "agent_name": agent_name,
-        "address": address,
-        "mode": mode,
-        "election": "flock" if flock else "bind-fallback",
-        "serving_since": None if since is None else _iso(since),
-        "server_pid": server_pid,
-        "serving": serving,
-    }
-
-
-def replaced_warning(directory: Path, detected_at: float) -> WarningDoc:
-    """The /healthz warning of an owner whose directory was removed or replaced while it served."""
-    return {"kind": "directory-replaced",
-            "message": f"{directory} was removed or replaced while this process served it; ranks that started "
-                       "before are missing until they record again",
-            "details": {"directory": str(directory), "detected_at": _iso(detected_at)}}
 
 
 class MetricsApp:

@@ -364,7 +364,7 @@ EXPORTER_RANK_SCRIPT = textwrap.dedent("""
     logging.basicConfig(level=getattr(logging, os.environ.get("RANK_LOG_LEVEL", "WARNING")), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     from app import Exporter
-    from app.exporter import OwnerWatch
+    from app.health import OwnerWatch
 
     if "RANK_OWNER_WATCH_NS" in os.environ:  # how often the duplicate-owner check may run (default 10 s)
         OwnerWatch.WATCH_INTERVAL_NS = int(os.environ["RANK_OWNER_WATCH_NS"])

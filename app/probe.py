@@ -1,0 +1,120 @@
+"""Looking at other processes from outside: who answers /healthz, who holds a lock or a port, how a child
+ended, and dying with a parent.
+
+Every mode asks these (the demo of its ranks, a rank of its helper, the aggregator of the election's holder),
+so each is written once, here.  They only read (/proc, one loopback HTTP request), never decide anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class HealthzAnswer:
+    """What ``GET /healthz`` on a local address answered."""
+
+    status: int | None  # the HTTP status, None when nothing answered over HTTP (refused, timed out, not HTTP)
+    doc: dict[str, Any] | None  # the JSON document (this project answers one with 200 and 503 alike)
+
+    @property
+    def owner(self) -> dict[str, Any] | None:
+        """The document's ``owner`` (app.health.owner_doc), if the answer was this project's /healthz."""
+        owner = None if self.doc is None else self.doc.get("owner")
+        return owner if isinstance(owner, dict) else None
+
+
+def get_healthz(host: str, port: int, timeout_s: float = 1.0) -> HealthzAnswer:
+    """``GET http://HOST:PORT/healthz``, straight to the address.
+
+    With http.client, which never consults http_proxy/no_proxy: the address is on this host, and a proxy
+    from the environment (many corporate shells set one) would not reach it, or would answer for it.
+    """
+    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        connection.request("GET", "/healthz")
+        response = connection.getresponse()
+        status, body = response.status, response.read()
+    except (OSError, http.client.HTTPException):
+        return HealthzAnswer(None, None)
+    finally:
+        connection.close()
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    return HealthzAnswer(status, doc if isinstance(doc, dict) else None)
+
+
+def exit_words(status: int | None) -> str:
+    """A child's exit status as Popen reports it, in words: "exited with status 3", "was killed by SIGKILL"."""
+    if status is None:
+        return "exited (reaped by another handler of this process)"
+    if status >= 0:
+        return f"exited with status {status}"
+    try:
+        return f"was killed by {signal.Signals(-status).name}"
+    except ValueError:
+        return f"was killed by signal {-status}"
+
+
+def lock_holder_pid(path: Path) -> int | None:
+    """The pid /proc/locks gives for the flock on ``path`` (None: not found, or in another pid namespace)."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; blocked waiters have "->" and are skipped.
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
+            return int(fields[4]) or None
+    return None
+
+
+def port_holders(port: int) -> str:
+    """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st ... inode
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
+    return ", ".join(holders) or "a process this user cannot see"
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """PR_SET_PDEATHSIG: SIGKILL this process when its parent dies (Linux; elsewhere nothing).
+
+    ``parent_pid``: the parent expected; if it has died already (before prctl took effect), die now.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
