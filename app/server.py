@@ -1,7 +1,7 @@
 """The HTTP server of an address: werkzeug's threaded server on a socket we bound, made safe for a host.
 
 Used wherever this project serves: a rank's endpoint (from a thread, or from its serving helper process, see
-app.helper), the demo's aggregator and the benchmarks.  What it adds to werkzeug: a bound on connections and on
+app.rank.helper), the demo's aggregator and the benchmarks.  What it adds to werkzeug: a bound on connections and on
 how long each may last, accept() backing off while descriptors run out, no traceback on a client's error, no
 log line per scrape, and a registry of every listener this process holds, closed in a forked child (a child
 holding our listener would keep the port bound after we close it).
@@ -124,7 +124,8 @@ def close_listener(sock: socket.socket) -> None:
 
 def holding_off_fork() -> threading.RLock:
     """The lock fork() waits for: held, it makes the descriptors created meanwhile and recorded by the holder
-    (the serving helper's pidfd and channel, see app.helper) either absent from a child or known to its hooks."""
+    (the serving helper's pidfd and channel, see app.rank.supervisor) either absent from a child or known to its
+    hooks."""
     return _listeners_lock
 
 

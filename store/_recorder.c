@@ -3,8 +3,8 @@
  * ~~~~~~~~~~~~~~~
  *
  * C implementation of the recording hot path.  Used instead of the Python
- * closures of store/writer.py (and the Python entry points of
- * app/recording.py) when compiled; both behave the same, byte for byte.
+ * closures of store/recorders.py (and the Python entry points of
+ * app/rank/recording.py) when compiled; both behave the same, byte for byte.
  *
  * Store      one agent's mapped store: record(event, value) and
  *            transfer(xfer, post, nbytes, is_write), each returning the
@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <time.h>
 
-/* Must match store/layout.py (checked by store/writer.py at attach). */
+/* Must match store/layout.py (checked by store/recorders.py at load). */
 #define SLOTS 21
 #define MAX_BUCKETS 32
 #define STORE_SIZE 6800
@@ -41,7 +41,7 @@
 #define XFER_TIME 6
 #define POST_TIME 7
 
-/* What an event slot feeds (store/writer.py: kinds()). */
+/* What an event slot feeds (store/recorders.py: kinds()). */
 enum { OFF, COUNTER, GAUGE, HISTOGRAM };
 
 /* The Python validators: event_type(ev), event_value(v), transfer_direction(w). */
@@ -636,7 +636,7 @@ PyInit__recorder(void)
 	module = PyModule_Create(&module_definition);
 	if (!module)
 		return NULL;
-	/* store/writer.py refuses this module unless LAYOUT matches store/layout.py. */
+	/* store/recorders.py refuses this module unless LAYOUT matches store/layout.py. */
 	layout = Py_BuildValue("(iiiiiiii)", SLOTS, MAX_BUCKETS, STORE_SIZE, W_LAST_UPDATE, W_COUNTERS,
 			       W_GAUGES, W_BUCKETS, W_SUMS);
 	if (!layout || PyModule_AddObjectRef(module, "LAYOUT", layout) < 0

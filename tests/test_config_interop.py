@@ -15,7 +15,7 @@ from support import Reaper, free_port, listening_socket
 from support_nixl import CppEnvProbe, nixl_required_fixture  # noqa: F401 (the nixl_required fixture)
 
 from app.config import ConfigError
-from app.exporter import create_exporter
+from app.rank.exporter import create_exporter
 
 PORT = "NIXL_TELEMETRY_PROMETHEUS_PORT"
 TTL = "NIXL_TELEMETRY_MP_STALE_TTL"

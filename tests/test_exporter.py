@@ -1,4 +1,4 @@
-"""The Exporter (app/exporter.py): configuration, the directory, recording, life cycle, fork, re-election pace."""
+"""The Exporter (app/rank/exporter.py): configuration, the directory, recording, life cycle, fork, re-election pace."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ from support_nixl import (
 )
 
 from app.config import ConfigError
-from app.exporter import create_exporter
+from app.rank.exporter import create_exporter
 from election import lock_file_name
 from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
 

@@ -14,7 +14,7 @@ from support import (  # noqa: F401  (pytest fixtures)
 )
 
 from app import Exporter
-from app.exporter import NullExporter, create_exporter
+from app.rank.exporter import NullExporter, create_exporter
 from store import EventType
 
 pytestmark = pytest.mark.usefixtures("recording_path")

@@ -422,4 +422,4 @@ def test_close_stops_and_reaps_the_helper_before_releasing_the_election(tmp_dir:
     assert process_state(helper) is None  # reaped, not a zombie
     assert can_bind(port) and not address_is_held(tmp_dir, f"127.0.0.1:{port}")
     exp.close()  # idempotent
-    assert not exp.serving and sys.modules["app.helper"] is not None
+    assert not exp.serving and sys.modules["app.rank.supervisor"] is not None

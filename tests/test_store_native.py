@@ -117,7 +117,7 @@ def test_pure_python_environment_forces_the_python_path(tmp_path: Path) -> None:
     directory.mkdir(mode=0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIXL_")}
     env["NIXL_PROMETHEUS_MP_PURE_PYTHON"] = "1"
-    code = ("import store.recorders, app.recording as r; "
+    code = ("import store.recorders, app.rank.recording as r; "
             "print(store.recorders.NATIVE is None, r.Recording is r.PyRecording)")
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
@@ -130,9 +130,9 @@ def test_extension_is_loaded_where_ci_requires_it(tmp_path: Path) -> None:
         pytest.skip("CI_REQUIRE_SPEEDUPS is not 1")
     assert not store.native.pure_python_forced()
     assert store.recorders.NATIVE is not None, "store._recorder was not built or not loadable"
-    import app.recording
+    import app.rank.recording
 
-    assert app.recording.Recording is not app.recording.PyRecording
+    assert app.rank.recording.Recording is not app.rank.recording.PyRecording
 
 
 @pytest.mark.parametrize("bounds", [(100.0, 10.0), (-5.0, 10.0)])
@@ -220,7 +220,7 @@ def test_a_collection_while_a_recordings_store_is_dropped_frees_it_once() -> Non
     """A finalizer run by the Store's release starts a collection while the (heap-subclass) object dies."""
     out = _run_c_path("""
         import gc
-        from app.recording import Recording
+        from app.rank.recording import Recording
 
         class Collects:
             def __del__(self):

@@ -5,7 +5,7 @@ outside the run holds the port.  Then nothing aggregates the directory on
 that address, so the winner warns and concedes the election: once the port
 frees, whichever rank wins next takes the address over.
 
-A winner serves from its serving helper process (app.helper) where one can
+A winner serves from its serving helper process (app.rank.supervisor) where one can
 run, from a thread of its own until the helper is ready and whenever the
 helper is gone, and only from a thread where no helper can run or
 NIXL_PROMETHEUS_MP_SERVE=thread asks for it.
@@ -14,7 +14,6 @@ NIXL_PROMETHEUS_MP_SERVE=thread asks for it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -25,20 +24,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from app.health import WarningDoc, owner_doc, replaced_warning
-from app.helper import HelperSpec, HelperState, HelperSupervisor, helper_unusable
+from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
+from app.rank.supervisor import HelperSpec, HelperState, HelperSupervisor, helper_unusable
 from app.server import BoundedServer, bind_listener, close_listener, serve_in_thread
 from app.web import MetricsApp
-from election import Outcome, OwnerElection, held_addresses_except
+from election import Outcome, OwnerElection
 from election.lock import SCARCE
-from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
-_warner = OnceWarner(log)
 
-RETRY_NS = 200_000_000  # a writer re-runs the election at most every 200 ms
-BACKOFF_NS = 5_000_000_000  # ... but every 5 s once a won election failed to bind
 WATCH_NS = 1_000_000_000  # the owner checks that its lock file is still the directory's at most every 1 s
-NEVER = 1 << 63
 CLOSE_WAIT_S = 10.0  # close() waits this long for another thread's takeover (a bind and a thread start) to finish
 _CALLBACK_WAIT_S = 0.05  # the supervisor's callbacks retry the endpoint's lock at this pace until it stops
 
@@ -68,9 +63,7 @@ class ScrapeEndpoint:
         self._retired: list[BoundedServer] = []  # thread servers that handed over, finishing their connections
         self._supervisor: HelperSupervisor | None = None
         self._lock = threading.RLock()
-        self._bind_warned = False
-        self._lost_logged = False
-        self._shortage_logged = False
+        self._log = ClaimLog(election, port)  # the operator's lines, written outside the lock
         self._closed = False
         _endpoints.add(self)
 
@@ -97,9 +90,11 @@ class ScrapeEndpoint:
             if self._listener is not None:
                 self._check_lock_file()
                 return now_ns + WATCH_NS
-            return self._take_over(now_ns)
+            outcome = self._take_over()
         finally:
             self._lock.release()
+        self._log.report(outcome)
+        return outcome.next_claim_ns(now_ns)
 
     def watch(self) -> None:
         """While serving: notice a replaced directory, then run ``on_watch``.
@@ -117,16 +112,11 @@ class ScrapeEndpoint:
                 self._lock.release()
         self._on_watch()
 
-    def _take_over(self, now_ns: int) -> int:
-        outcome = self.election.try_win()
-        if outcome is Outcome.LOST:
-            if self.election.shortage is not None:
-                self._log_shortage(self.election.shortage)
-            elif not self._lost_logged:
-                self._lost_logged = True
-                log.info("another process of the run serves %s; this one records its telemetry for it",
-                         self.address)
-            return now_ns + RETRY_NS
+    def _take_over(self) -> TakeOver:
+        """Win the election, bind and serve, or give it all back; the outcome is the caller's to report."""
+        if self.election.try_win() is Outcome.LOST:
+            shortage = self.election.shortage
+            return TakeOver(Claim.LOST) if shortage is None else TakeOver(Claim.SHORT, reason=shortage)
         listener = None
         try:
             listener = bind_listener(self.host, self.port)
@@ -138,46 +128,38 @@ class ScrapeEndpoint:
                 close_listener(listener)
             self.election.release()
             if isinstance(exc, OSError) and exc.errno in SCARCE:
-                self._log_shortage(os.strerror(exc.errno))
-            elif isinstance(exc, OSError) and exc.errno is not None:
-                self._concede(exc)
-            else:
-                self._log_shortage(f"{type(exc).__name__}: {exc}")
-            return now_ns + BACKOFF_NS
+                return TakeOver(Claim.SHORT, reason=os.strerror(exc.errno))
+            if isinstance(exc, OSError) and exc.errno is not None:
+                return TakeOver(Claim.UNBOUND, bind_error=exc)
+            return TakeOver(Claim.SHORT, reason=f"{type(exc).__name__}: {exc}")
         self._listener = listener
         self.serving_since = time.time()
-        self._start_helper()
+        no_helper = self._start_helper()
         if self._closed:  # close() ran in a signal handler while we were taking over: undo it all
             self._stop()
-            return NEVER
-        if self._bind_warned or self._lost_logged or self._shortage_logged:
-            log.info("took over %s: this process now serves the run's telemetry", self.address)
-        self._bind_warned = self._lost_logged = self._shortage_logged = False
-        return NEVER
+            return TakeOver(Claim.CLOSED)
+        return TakeOver(Claim.SERVING, no_helper=no_helper)
 
-    # -- the serving helper (app.helper) ---------------------------------------------------------------------
+    # -- the serving helper (app.rank.supervisor) ------------------------------------------------------------
     #
     # The thread server started by the takeover answers at once; the supervisor's thread starts the helper (an
     # interpreter's start, a fraction of a second to a second), and the thread server is retired once the
     # helper is ready.  The callbacks below run on the supervisor's thread and act only if that supervisor is
     # still ours: a close() or a re-election in between has made it a stale one.
 
-    def _start_helper(self) -> None:
+    def _start_helper(self) -> str | None:
+        """Start the helper's supervisor; why no helper can serve instead (None: one will, or none is wanted)."""
         if self.helper is None:
-            return
+            return None
         reason = helper_unusable()
         if reason is None:
             supervisor = HelperSupervisor(self.helper, self)
             try:
                 supervisor.start()
             except RuntimeError as exc:  # the process is at its thread limit
-                reason = f"no thread to supervise it: {exc}"
-            else:
-                self._supervisor = supervisor
-                return
-        _warner.warn(("no-helper", reason), "%s cannot be served from a helper process (%s); this process serves "
-                     "it from a thread instead, which a busy or stopped process holds up (set "
-                     "NIXL_PROMETHEUS_MP_SERVE=thread to choose that and silence this warning)", self.address, reason)
+                return f"no thread to supervise it: {exc}"
+            self._supervisor = supervisor
+        return reason
 
     @contextlib.contextmanager
     def helper_state(self, supervisor: HelperSupervisor) -> Iterator[HelperState | None]:
@@ -222,60 +204,16 @@ class ScrapeEndpoint:
         another."""
         if not self._locked_for(supervisor):
             return
+        shortage = None
         try:
             if self._server is None and self._listener is not None:
                 self._server, _ = serve_in_thread(self._listener, self.app, f"nixl-metrics-{self.port}")
         except (OSError, RuntimeError, MemoryError) as exc:
-            self._log_shortage(f"no thread server while the helper restarts: {exc}")
+            shortage = f"no thread server while the helper restarts: {exc}"
         finally:
             self._lock.release()
-
-    def _log_shortage(self, reason: str) -> None:
-        if not self._shortage_logged:
-            self._shortage_logged = True
-            log.warning("cannot serve %s right now (%s): the election is left for another rank to win. This "
-                        "process retries every %d s and serves once it can; recording is not affected.",
-                        self.address, reason, BACKOFF_NS // 1_000_000_000)
-
-    def _concede(self, exc: OSError) -> None:
-        reason = os.strerror(exc.errno or 0)
-        if self.election.problem:
-            # Without a usable lock every rank counts itself elected and the
-            # bind decides: losing it most likely means a sibling serves.
-            log.info("cannot bind %s (%s); with the owner lock unusable, another rank of the run probably "
-                     "serves it", self.address, reason)
-            return
-        if self._bind_warned:
-            return
-        self._bind_warned = True
-        if exc.errno == errno.EADDRINUSE:
-            sibling = [a for a in held_addresses_except(self.election.directory, self.address)
-                       if a.rpartition(":")[2] == str(self.port)]
-            if sibling:
-                log.warning(
-                    "cannot serve %s: %s of this run already serves port %d, and one port cannot be bound on "
-                    "both addresses. The ranks disagree on NIXL_TELEMETRY_PROMETHEUS_LOCAL: set it the same "
-                    "for every rank of the run (scrape %s meanwhile; it aggregates every rank). Retrying "
-                    "every %d s.", self.address, " and ".join(sibling), self.port, sibling[0],
-                    BACKOFF_NS // 1_000_000_000)
-                return
-            cause = "the port is in use by another program"
-        elif exc.errno == errno.EACCES:
-            # Not a service in the way: this process may not bind it, and freeing the port changes nothing.
-            log.warning(
-                "won the election for %s but cannot bind it: permission denied: ports below 1024 need root or "
-                "CAP_NET_BIND_SERVICE (or a lower net.ipv4.ip_unprivileged_port_start); grant one, or set "
-                "NIXL_TELEMETRY_PROMETHEUS_PORT to 1024 or above for every rank. The election is left for another "
-                "rank; retrying every %d s.", self.address, BACKOFF_NS // 1_000_000_000)
-            return
-        else:
-            cause = reason
-        log.warning(
-            "won the election for %s but cannot bind it: %s. No rank of this run can be serving it, so "
-            "nothing aggregates %s on that address (a foreign service, a rank using another "
-            "NIXL_TELEMETRY_MULTIPROC_DIR, or the same port on another address?). Retrying every %d s; the "
-            "first rank to win once the port is free takes the address over.",
-            self.address, cause, self.election.directory, BACKOFF_NS // 1_000_000_000)
+        if shortage is not None:
+            self._log.shortage(shortage)
 
     def _check_lock_file(self) -> None:
         """The directory was removed and recreated under us: elect on the new lock file, or step down.

@@ -32,10 +32,11 @@ from app.config import (
     prepare_directory,
     unwritable_directory,
 )
-from app.endpoint import BACKOFF_NS, CLOSE_WAIT_S, NEVER, ScrapeEndpoint
 from app.health import OwnerWatch, WarningDoc, health_warnings
-from app.helper import HelperSpec
-from app.recording import Recording
+from app.rank.claims import BACKOFF_NS, NEVER
+from app.rank.endpoint import CLOSE_WAIT_S, ScrapeEndpoint
+from app.rank.recording import Recording
+from app.rank.supervisor import HelperSpec
 from app.web import MetricsApp
 from election import OwnerElection
 from store import StoreIdentity, StoreWriter
@@ -113,7 +114,7 @@ class Exporter(Recording):
     """One agent's telemetry: its store, and possibly the run's endpoint.
 
     export_event, record_transfer, record_error and record_memory_* come from
-    app.recording (C entry points where store._recorder was built).
+    app.rank.recording (C entry points where store._recorder was built).
     """
 
     def __init__(self, agent_name: str, environ: Mapping[str, str] | None = None) -> None:
@@ -170,7 +171,7 @@ class Exporter(Recording):
     def address(self) -> str:
         return self.config.address
 
-    # -- recording (the entry points are app.recording's) -----------------
+    # -- recording (the entry points are app.rank.recording's) ------------
 
     def _on_deadline(self) -> None:
         # Re-election pace (every 200 ms at most): also the moment to notice

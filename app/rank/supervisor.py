@@ -1,9 +1,12 @@
-"""The serving helper: a child process that serves a rank's address outside the rank's interpreter.
+"""The rank's side of its serving helper: start it, watch it, restart it, stop it (HelperSupervisor).
+
+The serving helper is a child process that serves a rank's address outside the rank's interpreter; its
+program is app.rank.helper.
 
 A rank is someone else's program, with one GIL.  A serving thread inside it waits behind the host's own
 threads (a busy host makes scrapes 5-30x slower), makes the host wait behind each scrape, and goes down with
 a host that keeps its GIL in a long C call or is stopped: the whole directory's endpoint with it.  So an
-elected rank (app.endpoint) serves from a child process of its own instead:
+elected rank (app.rank.endpoint) serves from a child process of its own instead:
 
 * The rank wins the election and binds, exactly as without a helper, then starts ``python -m app serving-helper``
   (an exec through subprocess, never a bare fork of the host), handing it the listener and the election's
@@ -27,9 +30,7 @@ elected rank (app.endpoint) serves from a child process of its own instead:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
 import os
 import re
@@ -43,9 +44,10 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from app.probe import exit_words
+from app.rank.helper import READY, WATCH_S, HelperArgs
 from app.server import holding_off_fork
 from store.warnonce import OnceWarner
 
@@ -54,20 +56,14 @@ _warner = OnceWarner(log)
 
 READY_TIMEOUT_S = 30.0  # a helper that has not said it is ready by then is given up (the thread serves)
 KILL_WAIT_S = 2.0  # how long stopping waits for a SIGKILLed helper to be gone (it frees the port then)
-WATCH_S = 1.0  # the supervisor's poll timeout: how often it lets the endpoint check its lock file
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 0.05, 5.0  # between restarts of a helper that keeps dying
 STABLE_S = 10.0  # a helper that served this long before it died is restarted at once
-_READY = b"R"
-HELPER_COMMAND = "serving-helper"  # python -m app serving-helper ...: what ps shows (not in the CLI's --help)
-# The terminal's signals, which are for the rank: the helper is in a session of its own, so a terminal does not
-# send them to it, and it ignores them in case someone sends them to its process group by hand.
-_TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 # sys.executable names the interpreter only where it is one: an embedded interpreter (uWSGI, a C++ host) sets it
 # to its own program, or to nothing, and exec'ing that with "-m app serving-helper" would start who knows what.
 _INTERPRETER_NAME = re.compile(r"(python|pypy)[0-9.]*(d|dm|m|t)?(\.exe)?", re.IGNORECASE)
 # The directory holding this package, put first on the helper's sys.path (it runs there): the helper imports the
 # very code the rank runs, whatever the rank's working directory holds.
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def helper_unusable() -> str | None:
@@ -293,9 +289,13 @@ class HelperSupervisor:
                 self._cannot_start(exc)
                 return None
             fds = [state.listener_fd, theirs.fileno()] + ([] if state.lock_fd is None else [state.lock_fd])
-            command = [sys.executable, "-m", "app", HELPER_COMMAND, "--for-pid", str(os.getpid()), "--address",
-                       self.spec.address, "--directory", str(self.spec.directory), "--state",
-                       json.dumps(_state_args(self.spec, state, theirs.fileno()), separators=(",", ":"))]
+            args = HelperArgs(
+                for_pid=os.getpid(), address=self.spec.address, directory=self.spec.directory,
+                listener_fd=state.listener_fd, channel_fd=theirs.fileno(), lock_fd=state.lock_fd,
+                problem=state.problem, agent_name=self.spec.agent_name, stale_ttl_s=self.spec.stale_ttl_s,
+                serving_since=state.serving_since, replaced_at=state.replaced_at,
+                log_level=logging.getLogger("nixl_prometheus_mp").getEffectiveLevel())
+            command = [sys.executable, "-m", "app", *args.argv()]
             proc = None
             try:
                 proc = subprocess.Popen(command, cwd=_PACKAGE_ROOT, env=env, stdin=subprocess.DEVNULL,
@@ -333,7 +333,7 @@ class HelperSupervisor:
                 return False
             if child.channel.fileno() in events:
                 with contextlib.suppress(OSError):
-                    return child.channel.recv(1) == _READY and not self._stopping.is_set()
+                    return child.channel.recv(1) == READY and not self._stopping.is_set()
                 return False
         child.kill()
         _warner.warn(("ready-timeout", self.spec.address),
@@ -348,75 +348,3 @@ class HelperSupervisor:
             if self._stopping.is_set():
                 return
             self._host.watch()
-
-
-def _state_args(spec: HelperSpec, state: HelperState, channel_fd: int) -> dict[str, Any]:
-    return {"listener_fd": state.listener_fd, "lock_fd": state.lock_fd, "channel_fd": channel_fd,
-            "agent_name": spec.agent_name, "stale_ttl_s": spec.stale_ttl_s, "problem": state.problem,
-            "serving_since": state.serving_since, "replaced_at": state.replaced_at,
-            "log_level": logging.getLogger("nixl_prometheus_mp").getEffectiveLevel()}
-
-
-# -- the helper's side ----------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m app serving-helper --for-pid PID --address A --directory D --state JSON``: serve until PID exits."""
-    for signum in _TERMINAL_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    parser = argparse.ArgumentParser(prog=f"python -m app {HELPER_COMMAND}",
-                                     description="the serving helper of a rank (started by the rank itself)")
-    parser.add_argument("--for-pid", type=int, required=True)
-    parser.add_argument("--address", required=True)
-    parser.add_argument("--directory", required=True)
-    parser.add_argument("--state", type=json.loads, required=True)
-    args = parser.parse_args(argv)
-    state: dict[str, Any] = args.state
-    try:
-        rank = os.pidfd_open(args.for_pid)
-    except ProcessLookupError:
-        return 0  # the rank is gone already
-    if os.getppid() != args.for_pid:
-        return 0  # the rank died before we could watch it (the pidfd may name another process): nothing to serve
-    logging.basicConfig(level=state["log_level"], stream=sys.stderr,
-                        format=f"%(levelname)s nixl-prometheus-mp serving helper (pid {os.getpid()}, for pid "
-                               f"{args.for_pid}): %(message)s")
-    listener = socket.socket(fileno=state["listener_fd"])
-    channel = socket.socket(fileno=state["channel_fd"])
-    _server, thread = _serve(args, state, listener)
-    channel.sendall(_READY)
-    poller = select.poll()
-    poller.register(rank, select.POLLIN)
-    poller.register(channel.fileno(), select.POLLIN)  # EOF: the rank's end is closed, it is gone too
-    while not poller.poll(int(WATCH_S * 1000)):
-        if not thread.is_alive():
-            log.error("the serving thread ended; exiting so that the rank starts a new helper")
-            return 1
-    # The rank is gone: exit now, without any clean-up that could be slow.  The kernel closes the listener and
-    # the lock with us, so the next rank to record takes the address over.
-    os._exit(0)
-
-
-def _serve(args: argparse.Namespace, state: dict[str, Any], listener: socket.socket) -> tuple[Any, threading.Thread]:
-    from app.collector import Collector
-    from app.health import OwnerWatch, WarningDoc, health_warnings, owner_doc, replaced_warning
-    from app.server import serve_in_thread
-    from app.web import MetricsApp
-    from election import OwnerElection
-
-    directory = Path(args.directory)
-    election = OwnerElection(directory, args.address, problem=state["problem"])
-    owners = OwnerWatch(directory, args.address, logs=False)  # the rank logs it, from its supervisor's watch
-
-    def owner() -> dict[str, Any]:
-        return owner_doc(pid=args.for_pid, agent_name=state["agent_name"], address=args.address,
-                         mode="in-process", flock=state["problem"] is None, since=state["serving_since"],
-                         server_pid=os.getpid(), serving="helper")
-
-    def warnings() -> list[WarningDoc]:
-        replaced = [] if state["replaced_at"] is None else [replaced_warning(directory, state["replaced_at"])]
-        return replaced + health_warnings(owners, election)
-
-    app = MetricsApp(Collector(directory, state["stale_ttl_s"]), owner, warnings)
-    return serve_in_thread(listener, app, f"nixl-helper-{args.address}")
-
