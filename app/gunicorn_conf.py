@@ -7,6 +7,8 @@ Run it from any directory, installed or from a checkout::
 
 It binds the address the ranks are configured with and holds that address's
 owner election in the master (the hooks below); the workers only serve.
+Its path is documented (the Procfile, the Containerfile, deploy/), so it stays
+here; the hooks' work is app.aggregator's.
 A configuration error stops the start with one line naming the variable:
 gunicorn lets SystemExit through its config loading and its on_starting
 hook, and prints a traceback for anything else.
@@ -19,16 +21,9 @@ from typing import NoReturn
 
 from gunicorn.glogging import Logger
 
+from app.aggregator.hooks import hold_election, refuse_reexec, release_election, worker_forked
+from app.aggregator.settings import gunicorn_counts, gunicorn_overrides, prepare_standalone
 from app.config import Config, ConfigError
-from app.standalone import (
-    gunicorn_counts,
-    gunicorn_overrides,
-    hold_election,
-    prepare_standalone,
-    refuse_reexec,
-    release_election,
-    worker_forked,
-)
 
 _log = logging.getLogger("nixl_prometheus_mp")
 if not _log.handlers:  # our log lines, formatted like gunicorn's

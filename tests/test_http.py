@@ -29,9 +29,9 @@ from support import (  # noqa: F401  (pytest fixtures)
 from support_forge import cpp_reference
 from werkzeug.test import Client
 
+from app.aggregator.wsgi import build_app
 from app.collector import Collector
 from app.config import Config
-from app.standalone import build_app
 from app.web import MetricsApp
 from store import EventType, StoreIdentity, StoreWriter
 
