@@ -150,7 +150,8 @@ def run_module_as_nobody(*args: str, env: dict[str, str], tmp_path: Path) -> sub
                 os.dup2(o.fileno(), 1)
                 os.dup2(e.fileno(), 2)
             sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)  # not pytest's capture
-            for module in ("app.cli", "app.endpoint", "app.exporter", "app.standalone"):
+            for module in ("app.cli", "app.rank.endpoint", "app.rank.exporter", "app.aggregator.hooks",
+                           "app.aggregator.settings", "app.aggregator.wsgi"):
                 importlib.import_module(module)  # while the interpreter's own files are still readable
             os.setgroups([])
             os.setgid(NOBODY)

@@ -37,8 +37,8 @@ from support_forge import forge_store, store_bytes
 from support_nixl import nixl_required_fixture, start_cpp_ranks  # noqa: F401  (pytest fixture)
 from test_cli_input import one_line_error, run_module_as_nobody
 
+from app.cli.top import histogram_quantile, make_row, totals
 from app.collector import RankView
-from app.top import histogram_quantile, make_row, totals
 from store import DEFAULT_BUCKETS_US, EventType
 from store import layout as L
 from store.reader import Snapshot, decode

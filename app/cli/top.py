@@ -40,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from app.cli.common import CliError
 from app.collector import Collector, RankView
 from app.config import DIR_ENV, TTL_ENV, stale_ttl
 from store import EventType
@@ -310,7 +311,6 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False) -> list[tupl
 # -- the command --------------------------------------------------------------
 
 def _directory(given: str | None) -> Path:
-    from app.cli import CliError
 
     text = given or os.environ.get(DIR_ENV, "")
     if not text:
@@ -320,7 +320,6 @@ def _directory(given: str | None) -> Path:
 
 def run(directory: str | None, once: bool, as_json: bool, interval: float, ttl: float | None) -> int:
     """``python -m app top``; the arguments as parsed (``ttl`` None: from the environment, as ranks read it)."""
-    from app.cli import CliError
 
     sampler = Sampler(_directory(directory), stale_ttl(os.environ.get(TTL_ENV)) if ttl is None else ttl)
     # The collector's and reader's warnings describe the files it skips: they
@@ -371,7 +370,6 @@ def run_live(sampler: Sampler, first: Frame, interval: float) -> int:
     """The full-screen view until `q` (0), Ctrl-C (130), SIGTERM or SIGHUP (128 + the signal)."""
     import curses
 
-    from app.cli import CliError
 
     locale.setlocale(locale.LC_ALL, "")  # agent names are UTF-8: let curses draw them as such
     view = _LiveView(sampler, first, interval)
@@ -454,3 +452,7 @@ class _LiveView:
                 screen.addnstr(y, 0, text, max(0, width - 1), styles[style])
         screen.refresh()
 
+
+def cmd_top(args: Any) -> int:
+    """``nixl-prometheus-mp top [DIR]`` (its parser is app.cli's)."""
+    return run(args.directory, args.once, args.json, args.interval, args.ttl)

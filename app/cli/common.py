@@ -1,0 +1,111 @@
+"""What every command of ``nixl-prometheus-mp`` shares: its name, its one-line errors, its stop signals and
+its argument parsers.
+
+Errors are one line on stderr and a non-zero exit, never a traceback: the
+people running this are operators reading a terminal or a pod log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import select
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from app.config import ConfigError, ascii_int, stale_ttl
+from store.metrics import ERROR_EVENTS
+
+PROG = "nixl-prometheus-mp"
+
+
+class CliError(Exception):
+    """A user-facing runtime failure: printed as one line, exit status 1.
+
+    Bad arguments (argparse) and bad settings (ConfigError) exit with 2.
+    """
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class StopSignals:
+    """SIGTERM, SIGINT and SIGHUP as a flag plus a byte on a self-pipe, for the main thread.
+
+    SIGHUP is a stop too: a closed terminal must not end a command by the
+    default action, which skips its clean-up (a demo would leave its
+    temporary directory behind, a rank its store, serve its election).
+
+    The handler does nothing else.  It runs between two bytecodes of the
+    main thread, which may be inside threading.Event.wait(), or inside an
+    earlier run of the handler, holding the lock Event.set() needs: a
+    handler calling set() hung about one stop in five under repeated
+    signals.  os.write on a non-blocking pipe takes no lock.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._read, self._write = os.pipe()
+        for fd in (self._read, self._write):
+            os.set_blocking(fd, False)  # a full pipe already holds a pending wake-up
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if a stop signal arrives; True once one has."""
+        if not self.signum:
+            # After a signal, select is resumed (PEP 475) and sees the byte.
+            select.select([self._read], [], [], max(0.0, timeout))
+        return bool(self.signum)
+
+    def close(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        os.close(self._read)
+        os.close(self._write)
+
+
+def error_count(counters: Sequence[int]) -> int:
+    """A store's errors: the sum of its twelve ``agent_errors_total`` counters (the AGENT_ERR_* events)."""
+    return sum(counters[ev] for ev in ERROR_EVENTS)
+
+
+def bounded(kind: Callable[[str], float], what: str, ok: Callable[[float], bool]) -> Callable[[str], Any]:
+    """An argparse ``type``: refuses, naming the value, anything but ``what``."""
+    def parse(text: str) -> Any:
+        try:
+            value = ascii_int(text) if kind is int else kind(text.strip())
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+RANKS = bounded(int, "a number of ranks >= 1", lambda v: v >= 1)
+PORT = bounded(int, "a port number 1..65535", lambda v: 1 <= v <= 65535)
+RATE = bounded(float, "a finite number of transfers per second > 0", lambda v: math.isfinite(v) and v > 0)
+DURATION = bounded(float, "a finite number of seconds >= 0", lambda v: math.isfinite(v) and v >= 0)
+INTERVAL = bounded(float, "a finite number of seconds > 0", lambda v: math.isfinite(v) and v > 0)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line too (the usage is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def ttl_flag(text: str) -> float:
+    try:
+        return stale_ttl(text, "--ttl")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,235 @@
+"""``nixl-prometheus-mp demo``: N rank processes recording NIXL-like transfers behind one endpoint, and
+``_rank``, one such rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, error_count
+from app.collector import Collector
+from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
+from app.probe import die_with_parent, exit_words, get_healthz, port_holders
+from store import EventType
+
+RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
+DEMO_PORT = 9111  # not 9090, which a Prometheus on the same host listens on by default
+OWNER_WAIT_S = 20.0  # for the first demo rank to serve: imports on a loaded host take seconds
+RANK_STOP_S = 10.0  # for the ranks to close their stores after SIGTERM, before SIGKILL
+# A rank ended by one of these crashed by itself; any other signal was sent to it (kill, the OOM killer).
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
+                           signal.SIGSYS})
+
+
+def _demo_rank(args: argparse.Namespace) -> int:
+    """One demo rank: NIXL-like transfers until SIGTERM/SIGINT or the duration ends."""
+    from app.rank.exporter import Exporter
+
+    stop = StopSignals()
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)  # a demo killed with SIGKILL cannot forward SIGTERM to its ranks
+    rng = random.Random(os.getpid())
+    deadline = time.monotonic() + args.duration if args.duration else None
+    with Exporter(args.name) as exp:
+        exp.record_memory_registered(1 << 30)  # a 1 GiB registered buffer, as a KV cache would be
+        while not stop.signum and (deadline is None or time.monotonic() < deadline):
+            nbytes = 1 << rng.randint(12, 26)  # 4 KiB .. 64 MiB
+            post_us = rng.randint(3, 60)
+            xfer_us = int(post_us + nbytes / 20_000 * rng.uniform(0.8, 1.6))  # ~20 GB/s with jitter
+            exp.record_transfer(xfer_us, post_us, nbytes, is_write=rng.random() < 0.5)
+            if rng.random() < 0.002:
+                exp.record_error(rng.choice(["backend", "remote_disconnect", "canceled"]))
+            stop.wait(1.0 / args.rate)
+        exp.record_memory_deregistered(1 << 30)
+    return 0
+
+
+class _Totals:
+    """The demo's progress line, from the last values seen in every store.
+
+    The owner reaps a departed rank's store after the TTL; summing only the
+    stores on disk would make the totals drop, which reads as a counter
+    reset.  A store's counters only grow, so remembering each store's last
+    values keeps the totals monotonic.
+    """
+
+    def __init__(self, directory: Path, port: int, started: float) -> None:
+        self.directory, self.port = directory, port
+        self.started = started  # when the ranks were started: the GB/s average is over their run
+        self.collector = Collector(directory, stale_ttl_s=MAX_TTL_S)  # the demo itself never reaps
+        self.seen: dict[str, tuple[int, int, int]] = {}  # store name -> (bytes, requests, errors)
+
+    def line(self) -> str:
+        coll = self.collector.collect()
+        for s in coll.published:
+            c = s.counters
+            self.seen[s.path.name] = (
+                c[EventType.AGENT_TX_BYTES] + c[EventType.AGENT_RX_BYTES],
+                c[EventType.AGENT_TX_REQUESTS_NUM] + c[EventType.AGENT_RX_REQUESTS_NUM],
+                error_count(c))
+        moved, reqs, errors = (sum(column) for column in zip(*self.seen.values(), strict=True)) if self.seen \
+            else (0, 0, 0)
+        live = len(coll.live)
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        return (f"ranks live {live} departed {len(self.seen) - live} | transfers {reqs} | "
+                f"{moved / 1e9:.1f} GB moved ({moved / elapsed / 1e9:.2f} GB/s) | errors {errors} | "
+                f"http://127.0.0.1:{self.port}/metrics")
+
+
+def _show(text: str, end: str = "\n") -> None:
+    """Print a line of the demo's progress, unless its terminal has hung up.
+
+    Writing to a terminal that went away fails with EIO, and may do so
+    before its SIGHUP is handled: then stop as that signal does, without a
+    traceback, and send the rest (stdout's unwritten buffer too) nowhere.
+    """
+    try:
+        print(text, end=end, flush=True)
+    except OSError as exc:
+        if exc.errno != errno.EIO:
+            raise
+        sys.stdout = open(os.devnull, "w")  # for the rest of the process: the terminal is gone
+        signal.raise_signal(signal.SIGHUP)
+
+
+def _is_failure(status: int) -> bool:
+    """A rank's own failure; a rank someone killed (kill -9 of the serving rank, say) is not the demo's."""
+    return status > 0 or (status < 0 and -status in CRASH_SIGNALS)
+
+
+def _report_ended(procs: list[subprocess.Popen[bytes]], reported: dict[int, str], interactive: bool) -> None:
+    """A line for each rank that ended other than cleanly since the last call, kept in ``reported``."""
+    for rank, p in enumerate(procs):
+        if p.poll() and rank not in reported:
+            reported[rank] = f"rank {rank} (pid {p.pid}) {exit_words(p.returncode)}"
+            _show(("\n" if interactive else "") + reported[rank])
+
+
+def _failures(procs: list[subprocess.Popen[bytes]], reported: dict[int, str]) -> None:
+    """CliError naming the reported ranks that failed by themselves."""
+    failed = [line for rank, line in reported.items() if _is_failure(procs[rank].returncode)]
+    if failed:
+        raise CliError(f"{len(failed)} of {len(procs)} demo ranks failed: {', '.join(failed)}")
+
+
+def _check_port_free(port: int) -> None:
+    """Refuse, naming the holder, a port another program already listens on."""
+    from app.server import bind_listener
+
+    try:
+        bind_listener("127.0.0.1", port).close()
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise CliError(f"port {port} on 127.0.0.1 is already in use by {port_holders(port)}: stop it or "
+                           "choose another port with --port") from None
+        raise CliError(f"cannot listen on 127.0.0.1:{port}: {os.strerror(exc.errno or 0)}") from None
+
+
+def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSignals) -> int | None:
+    """The pid of the demo rank that serves ``port`` (None if stopped first); CliError if none does."""
+    pids = {p.pid for p in procs}
+    deadline = time.monotonic() + OWNER_WAIT_S
+    while not stop.wait(0.1):
+        if all(p.poll() is not None for p in procs):
+            raise CliError(f"every demo rank ended before serving: rank 0 {exit_words(procs[0].returncode)}")
+        owner = get_healthz("127.0.0.1", port).owner
+        pid = None if owner is None else owner.get("pid")
+        if isinstance(pid, int) and pid in pids:
+            return pid
+        if time.monotonic() > deadline:
+            raise CliError(f"no demo rank serves 127.0.0.1:{port} after {OWNER_WAIT_S:.0f} s; the port is held by "
+                           f"{port_holders(port)}")
+    return None
+
+
+def _stop_ranks(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every rank, SIGKILL those still running after RANK_STOP_S; always reaps."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + RANK_STOP_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    stop = StopSignals()  # first: a stop during start-up must still reap the ranks and remove the directory
+    try:
+        return _run_demo(args, stop)
+    finally:
+        stop.close()
+
+
+def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
+    _check_port_free(args.port)
+    env = {**os.environ, PORT_ENV: str(args.port), LOCAL_ENV: "y"}
+    env.setdefault(TTL_ENV, "10")  # departed demo ranks leave /metrics 10 s after they stop, unless told otherwise
+    chosen = Path(args.dir).absolute() if args.dir else None  # the ranks need an absolute path
+    # The ranks' settings, refused once here rather than once per rank, and
+    # before any directory is created (the temporary one has no name yet).
+    Config.from_env({**env, DIR_ENV: str(chosen or tempfile.gettempdir())})
+    if chosen:
+        prepare_directory(chosen, "--dir")  # the user named the directory with the flag, not the variable
+    directory = chosen or Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
+    env[DIR_ENV] = str(directory)
+    procs: list[subprocess.Popen[bytes]] = []
+    interactive = sys.stdout.isatty()
+    started = time.monotonic()
+    try:
+        for rank in range(args.ranks):
+            if stop.signum:
+                return 0
+            env["LOCAL_RANK"] = str(rank)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "app", RANK_COMMAND, "--name", f"demo-agent-{rank}", "--rate", str(args.rate),
+                 "--duration", str(args.duration), "--parent-pid", str(os.getpid())], env=env))
+        owner = _serving_rank(args.port, procs, stop)
+        if owner is None:
+            return 0
+        _show(f"{args.ranks} ranks recording into {directory}; rank pid {owner} serves "
+              f"http://127.0.0.1:{args.port}/metrics and /healthz (Ctrl-C to stop)")
+        totals = _Totals(directory, args.port, started)
+        reported: dict[int, str] = {}  # rank -> how it ended, for every rank that did not end cleanly
+        while any(p.poll() is None for p in procs):
+            _report_ended(procs, reported, interactive)
+            line = totals.line()
+            _show(f"\r{line}  " if interactive else line, end="" if interactive else "\n")
+            if stop.wait(1.0):
+                if stop.signum != signal.SIGHUP:  # nobody reads it after a hang-up
+                    _show("\nstopping the ranks" if interactive else "stopping the ranks")
+                # Only what ended before the stop: the stop itself ends the ranks.
+                _failures(procs, reported)
+                return 0
+        _report_ended(procs, reported, interactive)
+        _show(("\n" if interactive else "") + totals.line())
+        _failures(procs, reported)
+        return 0
+    finally:
+        _stop_ranks(procs)
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)  # only the directory this demo created
+
+
+def build_rank_parser() -> argparse.ArgumentParser:
+    """``_rank``: one demo rank; parsed apart so that --help and usage errors never list it."""
+    rank = Parser(prog=f"{PROG} {RANK_COMMAND}")
+    rank.add_argument("--name", required=True)
+    rank.add_argument("--rate", type=RATE, default=200)
+    rank.add_argument("--duration", type=DURATION, default=0)
+    rank.add_argument("--parent-pid", type=int, default=0)  # the demo's: die with it
+    rank.set_defaults(func=_demo_rank)
+    return rank

@@ -1,0 +1,72 @@
+"""``nixl-prometheus-mp serve`` (the aggregator on werkzeug) and ``aggregate`` (the aggregator on gunicorn,
+from any working directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from app.cli.common import PROG, CliError, StopSignals
+from app.config import Config
+
+log = logging.getLogger("nixl_prometheus_mp.cli")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.aggregator.hooks import hold_election, release_election
+    from app.aggregator.settings import prepare_standalone
+    from app.aggregator.wsgi import build_app
+    from app.server import bind_listener, close_listener, serve_in_thread
+
+    config = Config.from_env()
+    prepare_standalone(config)
+    hold_election(config)
+    stop = StopSignals()
+    try:
+        try:
+            sock = bind_listener(config.host, config.port)
+        except OSError as exc:
+            raise CliError(f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}") from None
+        try:
+            server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
+        finally:
+            close_listener(sock)  # the server serves its own duplicate
+        log.info("serving %s on http://%s/metrics", config.directory, config.address)
+        while not stop.wait(0.5) and thread.is_alive():
+            pass
+        server.shutdown()
+        thread.join(timeout=5)
+    finally:
+        stop.close()
+        release_election()
+    return 0
+
+
+AGGREGATE_COMMAND = "aggregate"
+AGGREGATOR_CONFIG, AGGREGATOR_APP = "python:app.gunicorn_conf", "app:wsgi"
+
+
+def cmd_aggregate(gunicorn_args: list[str]) -> int:
+    """``gunicorn -c python:app.gunicorn_conf [ARGS] app:wsgi``, with this installation's packages.
+
+    The gunicorn command puts its working directory first on sys.path before it imports the configuration
+    and the app, so an app/ or store.py there is imported instead of these. Run from this console script,
+    whose sys.path does not start with the working directory, app, store and election are already imported
+    when gunicorn looks them up: no working directory changes what runs.
+    """
+    from gunicorn.app.wsgiapp import WSGIApplication
+    from gunicorn.config import Config as GunicornConfig
+
+    prog = f"{PROG} {AGGREGATE_COMMAND}"
+    given = GunicornConfig(prog=prog).parser().parse_args(gunicorn_args)  # --help and bad options: gunicorn's
+    if given.config or given.args:  # a usage error, as argparse's are: one line, exit status 2
+        print(f"{PROG}: error: {prog} runs gunicorn -c {AGGREGATOR_CONFIG} [OPTIONS] {AGGREGATOR_APP}: give it "
+              f"gunicorn options only, not {'-c ' + given.config if given.config else ' '.join(given.args)}",
+              file=sys.stderr)
+        return 2
+    sys.argv = [prog, "-c", AGGREGATOR_CONFIG, *gunicorn_args, AGGREGATOR_APP]  # what gunicorn parses
+    WSGIApplication("%(prog)s [GUNICORN OPTIONS]", prog=prog).run()  # exits: gunicorn's master ends with sys.exit
+    return 0
