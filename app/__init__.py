@@ -1,8 +1,10 @@
-"""The application: collector, exposition, WSGI app, endpoint, Exporter, CLI.
+"""The application: the serving core (flat here), a rank's side (app.rank), the gunicorn aggregator
+(app.aggregator) and the command line (app.cli); docs/layout.md has the table.
 
 ``app.wsgi`` is the WSGI application for ``gunicorn app:wsgi``.  It is built
 on first access (from NIXL_TELEMETRY_MULTIPROC_DIR), so that importing
-``Exporter`` in a rank never needs the standalone aggregator's setup.
+``Exporter`` in a rank never needs the standalone aggregator's setup, and
+nothing here loads before it is asked for.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 def _check_installation() -> None:
@@ -37,15 +39,24 @@ def _check_installation() -> None:
 
 _check_installation()
 
-from app.config import Config, ConfigError  # noqa: E402 (after the check: these import store and election)
-from app.exporter import Exporter, NullExporter, create_exporter  # noqa: E402
+if TYPE_CHECKING:
+    from app.config import Config, ConfigError
+    from app.rank.exporter import Exporter, NullExporter, create_exporter
 
 __all__ = ["Config", "ConfigError", "Exporter", "NullExporter", "create_exporter", "wsgi"]
+# Loaded on first use (PEP 562), so that the serving helper and the gunicorn aggregator, which import this
+# package too, never load a rank's code.
+_LAZY = {"Config": "app.config", "ConfigError": "app.config", "Exporter": "app.rank.exporter",
+         "NullExporter": "app.rank.exporter", "create_exporter": "app.rank.exporter"}
 
 
 def __getattr__(name: str) -> Any:
     if name == "wsgi":
-        from app.standalone import standalone_app
+        from app.aggregator.wsgi import standalone_app
 
         return standalone_app()
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'app' has no attribute {name!r}")

@@ -52,7 +52,7 @@ def test_docs_stand_on_their_own(page: Path) -> None:
 
 
 def test_readme_configuration_names_every_variable_the_code_reads() -> None:
-    source = "".join(p.read_text() for d in ("app", "store", "election") for p in (REPO / d).glob("*.py"))
+    source = "".join(p.read_text() for d in ("app", "store", "election") for p in (REPO / d).rglob("*.py"))
     variables = set(re.findall(r'"((?:NIXL_TELEMETRY|GUNICORN)_[A-Z_]+)"', source))
     assert variables >= {"NIXL_TELEMETRY_MULTIPROC_DIR", "GUNICORN_WORKERS"}
     config = README.read_text().split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
@@ -78,7 +78,7 @@ def test_operations_page_lists_every_deploy_file() -> None:
 
 # -- what the code defines, listed in the docs ------------------------------------------------------------------
 
-CODE = sorted(p for d in ("app", "store", "election") for p in (REPO / d).glob("*.py"))
+CODE = sorted(p for d in ("app", "store", "election") for p in (REPO / d).rglob("*.py"))
 OPERATIONS = REPO / "docs" / "operations.md"
 
 

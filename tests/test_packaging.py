@@ -96,8 +96,8 @@ def test_wheel_holds_the_packages_typed_with_the_console_script_and_no_tests(dis
     assert tops == {*PACKAGES, f"nixl_prometheus_mp-{VERSION}.dist-info"}, tops  # no tests/, bench/, deploy/
     for package in PACKAGES:
         assert f"{package}/py.typed" in names
-        assert {Path(n).name for n in names if n.startswith(f"{package}/") and n.endswith(".py")} >= {
-            p.name for p in (REPO / package).glob("*.py")}
+        assert {n for n in names if n.startswith(f"{package}/") and n.endswith(".py")} >= {
+            str(p.relative_to(REPO)) for p in (REPO / package).rglob("*.py")}  # the subpackages too (app.rank, ...)
     assert "app/gunicorn_conf.py" in names
     info = f"nixl_prometheus_mp-{VERSION}.dist-info"
     entry_points = zipfile.ZipFile(dists.wheel).read(f"{info}/entry_points.txt").decode()
@@ -114,8 +114,8 @@ def test_sdist_holds_every_source_the_wheel_is_built_from(dists: Dists) -> None:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     wanted = ["pyproject.toml", "setup.py", "README.md", "Procfile", "Containerfile", "tests/conftest.py"]
     for package in PACKAGES:  # the optional C speedups' sources included, so the sdist builds them
-        wanted += [str(p.relative_to(REPO)) for p in (REPO / package).iterdir()
-                   if p.suffix in {".py", ".c", ".h", ".typed"}]
+        wanted += [str(p.relative_to(REPO)) for p in (REPO / package).rglob("*")
+                   if p.suffix in {".py", ".c", ".h", ".typed"} and "__pycache__" not in p.parts]
     # And what the docs and the tests use: examples/ (docs/cpp-interop.md runs it), the pages, the manifests, the
     # bench and the tests themselves.
     for folder in ("examples", "docs", "deploy", "bench", "tests"):
