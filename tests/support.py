@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -129,12 +130,23 @@ class HttpResponse:
         return json.loads(self.body)
 
 
+def open_direct(request: urllib.request.Request | str, timeout: float,
+                context: ssl.SSLContext | None = None) -> Any:
+    """urlopen, but never through a proxy: every URL the tests open is on this host, and an http_proxy or
+    https_proxy from the environment (many corporate shells set one) would not reach it."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    return urllib.request.build_opener(*handlers).open(request, timeout=timeout)
+
+
 def http_request(url: str, method: str = "GET", headers: Mapping[str, str] | None = None,
                  timeout: float = 5.0, data: bytes | None = None) -> HttpResponse:
-    """One request with urllib; 4xx/5xx are returned, not raised. Connection errors raise OSError."""
+    """One request with urllib, never through a proxy; 4xx/5xx are returned, not raised. Connection errors raise
+    OSError."""
     request = urllib.request.Request(url, method=method, headers=dict(headers or {}), data=data)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with open_direct(request, timeout) as response:
             return HttpResponse(response.status, {k.lower(): v for k, v in response.headers.items()},
                                 response.read())
     except urllib.error.HTTPError as exc:

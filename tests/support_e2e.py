@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
+from support import open_direct
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent  # gunicorn, promtool-free tools of this interpreter
@@ -112,10 +113,10 @@ def wait_until(probe: Callable[[], T | None], timeout: float, what: str | Callab
 
 def http_get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> tuple[int, dict[str, str],
                                                                                                  bytes]:
-    """(status, headers, body); HTTP errors are returned, not raised."""
+    """(status, headers, body), never through a proxy; HTTP errors are returned, not raised."""
     request = urllib.request.Request(url, headers=dict(headers or {}))
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with open_direct(request, timeout) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()

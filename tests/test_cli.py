@@ -84,6 +84,30 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in demo.output
 
 
+# A proxy nothing listens on (port 9, discard): whatever goes through it fails, as from a shell whose http_proxy
+# names a corporate proxy that cannot reach this host's loopback.
+DEAD_PROXY = "http://127.0.0.1:9"
+PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+
+
+def with_dead_proxy(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with every proxy variable naming DEAD_PROXY, and nothing exempt from it (no no_proxy)."""
+    env = {k: v for k, v in env.items() if k.lower() != "no_proxy"}
+    return {**env, **dict.fromkeys(PROXY_VARIABLES, DEAD_PROXY)}
+
+
+def test_demo_serves_with_http_proxy_set(tmp_path: Path) -> None:
+    """The demo asks its ranks' /healthz which one serves: straight to 127.0.0.1, never through http_proxy
+    (with urlopen it waited 20 s, then named its own rank and helper as the port's holders)."""
+    port = free_port()
+    env = with_dead_proxy(rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
+    del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
+    done = run_cli("demo", "--ranks", "2", "--port", str(port), "--duration", "2", env=env, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"serves http://127.0.0.1:{port}/metrics" in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+
+
 def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int]:
     """A demo of ``ranks`` ranks that ends by itself after a few seconds, and the pid of its serving rank."""
     port = free_port()

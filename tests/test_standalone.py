@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support import open_direct
 from support_e2e import (
     REPO,
     VENV_BIN,
@@ -424,7 +425,7 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
         trusted = ssl.create_default_context(cafile=str(cert))
 
         def scrape(context: ssl.SSLContext) -> bytes:
-            with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=context, timeout=5) as response:
+            with open_direct(f"https://127.0.0.1:{port}/metrics", 5, context) as response:
                 assert response.status == 200
                 return response.read()
 
