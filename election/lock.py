@@ -121,16 +121,7 @@ class OwnerElection:
         return Outcome.WON if won else Outcome.LOST
 
     def _open(self) -> int:
-        fd = os.open(self.path, _OPEN_FLAGS, 0o600)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise OSError(f"{self.path} is not a regular file")
-        if st.st_uid != os.geteuid():
-            os.close(fd)
-            # A co-tenant's planted lock must not demote every rank to writer-only.
-            raise OSError(f"{self.path} is owned by uid {st.st_uid}, not {os.geteuid()}")
-        return fd
+        return open_lock_file(self.path)
 
     def _fallback(self, reason: str) -> Outcome:
         self.problem = f"the owner lock {self.path} is unusable ({reason})"
@@ -187,6 +178,18 @@ class OwnerElection:
             os.close(old)  # the old file is unlinked: nobody can be waiting for it
         return True
 
+    def adopt(self, fd: int) -> None:
+        """Hold the election through ``fd``, a descriptor of our lock file that already holds the lock
+        (a standby's, see election.standby): the lock is not released and retaken, so no sibling can win
+        in between."""
+        if self.held:
+            raise RuntimeError(f"the election for {self.address} is already held")
+        old, self._fd = self._fd, fd
+        self.held = True
+        self.problem = self.shortage = None
+        if old is not None:
+            os.close(old)  # our own probing descriptor, which held nothing
+
     def forget_after_fork(self) -> None:
         """In a forked child: drop the inherited descriptor WITHOUT unlocking.
 
@@ -204,6 +207,20 @@ class OwnerElection:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (creating it 0600) the lock file at ``path``, refusing one that is not a regular file of ours."""
+    fd = os.open(path, _OPEN_FLAGS, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        # A co-tenant's planted lock must not demote every rank to writer-only.
+        raise OSError(f"{path} is owned by uid {st.st_uid}, not {os.geteuid()}")
+    return fd
 
 
 def held_addresses_except(directory: str | os.PathLike[str], address: str) -> list[str]:

@@ -1,0 +1,185 @@
+"""Standbys: wait for an address's lock in the kernel, not on the next export.
+
+A rank that lost the election has nothing to do until the holder is gone, and only the kernel knows that
+moment: it releases the holder's flock as the holder's last descriptor of the lock closes, however the
+holder went.  So a standby blocks in ``flock(LOCK_EX)`` on a thread of its own, on an open file description
+of its own: the call holds no GIL and polls nothing, and it returns holding the lock the moment the holder
+is gone, whether or not anyone records.  The C++ plug-in's ranks keep re-electing with ``LOCK_NB`` as they
+export; both kinds contend for the same lock, so there is still one owner at a time.
+
+Two properties make a waiter safe in someone else's process:
+
+* **A fork never inherits a stake.**  The waiter's descriptor is opened and recorded under a lock that
+  ``fork()`` waits for, and the child closes it: the child holds neither the lock (had the waiter just won
+  it) nor a descriptor that would keep it held once the parent is gone.  The thread itself does not exist
+  in the child.
+* **Stopping is bounded, from anywhere.**  A blocked ``flock`` cannot be woken short of a signal handler
+  (which a library must not install in its host), so :meth:`LockWaiter.detach` replaces the waiter's
+  descriptor with ``/dev/null`` instead, with one atomic ``dup2``: the blocked call then holds the last
+  reference to the lock file, and whatever it wins the kernel releases as the call returns, before any
+  Python code runs.  The thread, which alone ever closes that number (so it is never reused under it),
+  ends as soon as the call returns.  Until then a detached waiter is one parked thread and one descriptor
+  of ``/dev/null``: it holds nothing, takes nothing and does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+from election.lock import SCARCE, open_lock_file
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no waiters (the export path's election still runs)
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger("nixl_prometheus_mp.election")
+
+# How long fork() (in its before-hook) waits for a waiter that is opening or handing over its descriptor: a
+# few system calls, unless a signal handler interrupted the holder; then the fork goes ahead without it.
+_FORK_LOCK_WAIT_S = 1.0
+_fork_lock = threading.RLock()
+_waiters: weakref.WeakSet[LockWaiter] = weakref.WeakSet()
+_fork_held = threading.local()
+
+
+class LockWaiter:
+    """One thread blocked in ``flock(LOCK_EX)`` on ``path``, handing each win to ``on_won``.
+
+    ``on_won(waiter)`` runs on the waiter's thread with the lock held: it either takes the descriptor with
+    :meth:`hand_over` (the thread then ends) or returns without it, conceding (the lock is released and the
+    thread waits ``backoff_s``, or until detached, before it waits for the lock again: never a tight loop of
+    taking and conceding).
+    """
+
+    def __init__(self, path: Path, on_won: Callable[[LockWaiter], None], *, name: str, backoff_s: float) -> None:
+        self.path = path
+        self._on_won = on_won
+        self._backoff_s = backoff_s
+        self._fd: int | None = None  # ours while recorded here; the thread alone closes it
+        self._detached = threading.Event()
+        self.problem: str | None = None  # why the lock file could not be opened (the thread then ended)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def detached(self) -> bool:
+        return self._detached.is_set()
+
+    def start(self) -> None:
+        """Start waiting (RuntimeError where the process is out of threads)."""
+        _waiters.add(self)
+        self._thread.start()
+
+    def hand_over(self) -> int | None:
+        """(From ``on_won``) the descriptor holding the lock, now the caller's; None once detached.
+
+        Call it under :func:`holding_off_fork` and record the descriptor before releasing that: a fork must
+        find it recorded here or there, never nowhere.
+        """
+        with _fork_lock:
+            if self._detached.is_set():
+                return None  # detach() may have replaced it with /dev/null already: it holds nothing
+            fd, self._fd = self._fd, None
+        return fd
+
+    def detach(self) -> None:
+        """Never act again; from any thread or a signal handler, bounded.  See the module's doc."""
+        self._detached.set()
+        if not _fork_lock.acquire(timeout=_FORK_LOCK_WAIT_S):
+            return  # the thread is between an open and its record: it sees the flag right after
+        try:
+            if self._fd is not None:
+                null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.dup2(null, self._fd, inheritable=False)
+                finally:
+                    os.close(null)
+        finally:
+            _fork_lock.release()
+
+    def _run(self) -> None:
+        while not self._detached.is_set():
+            try:
+                with _fork_lock:
+                    self._fd = open_lock_file(self.path)
+            except OSError as exc:
+                # Unusable (or out of descriptors): the export path's election covers that case and says why.
+                self.problem = os.strerror(exc.errno) if exc.errno in SCARCE else str(exc)
+                return
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks, without the GIL, until the holder is gone
+            except OSError as exc:  # ENOLCK and the like: nothing to wait on here
+                self.problem = str(exc)
+                self._close()
+                return
+            if self._detached.is_set():
+                break
+            if not self._still_the_lock_file():
+                self._close()  # the directory was replaced: wait on the file that is there now
+                continue
+            try:
+                self._on_won(self)
+            except Exception:  # a bug of the taker's must not end the waiting: concede, pause, wait again
+                log.warning("taking over %s after its holder left failed; waiting for the lock again",
+                            self.path.name, exc_info=True)
+            if self._fd is None:
+                return  # handed over: the taker serves, and starts a new waiter if it concedes later
+            self._close()  # conceded: released, then a pause before contending again
+            self._detached.wait(self._backoff_s)
+        self._close()
+
+    def _still_the_lock_file(self) -> bool:
+        assert self._fd is not None
+        try:
+            return os.path.samestat(os.stat(self.path, follow_symlinks=False), os.fstat(self._fd))
+        except OSError:
+            return False
+
+    def _close(self) -> None:
+        with _fork_lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def holding_off_fork() -> threading.RLock:
+    """The lock fork() waits for: a waiter's descriptor is never in a child unless recorded where the
+    child's hooks find it."""
+    return _fork_lock
+
+
+def _before_fork() -> None:
+    _fork_held.locked = _fork_lock.acquire(timeout=_FORK_LOCK_WAIT_S)
+
+
+def _after_fork_in_parent() -> None:
+    if getattr(_fork_held, "locked", False):
+        _fork_held.locked = False
+        _fork_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    global _fork_lock
+    # The child's copy only: closing it releases nothing of the parent's (the lock belongs to the open file
+    # description, which the parent's descriptor keeps), and a child must keep nothing that holds it.
+    for waiter in list(_waiters):
+        fd, waiter._fd = waiter._fd, None
+        waiter._detached.set()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _waiters.clear()
+    _fork_lock = threading.RLock()
+    _fork_held.locked = False
+
+
+if fcntl is not None:
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
