@@ -36,6 +36,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import parse_options_header
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Request, Response
+from werkzeug.wsgi import ClosingIterator
 
 from app.collector import Collection, Collector, RankView
 from app.exposition import Renderer
@@ -118,6 +119,8 @@ class MetricsApp:
         self._owner = owner
         self._extra_warnings = extra_warnings or (lambda: [])
         self._on_scrape = on_scrape or (lambda: None)  # e.g. the owner's periodic duplicate-owner check
+        # After each /metrics body is written, with what it published (a lingering helper's bookkeeping).
+        self.on_served: Callable[[Collection], None] = lambda collection: None
         self._renderer = Renderer()
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -125,7 +128,11 @@ class MetricsApp:
         try:
             endpoint, _ = _URLS.bind_to_environ(environ).match()
             if endpoint == "metrics":
-                response = self.metrics(request)
+                response, collection = self.metrics(request)
+                if request.method == "HEAD":
+                    return response(environ, start_response)  # no body: nothing was served
+                # Told once the server has written the whole body (it closes the iterable then).
+                return ClosingIterator(response(environ, start_response), lambda: self.on_served(collection))
             elif endpoint == "healthz":
                 response = self.healthz()
             else:
@@ -134,10 +141,11 @@ class MetricsApp:
             response = exc.get_response(environ)
         return response(environ, start_response)
 
-    def metrics(self, request: Request) -> Response:
+    def metrics(self, request: Request) -> tuple[Response, Collection]:
         openmetrics = wants_openmetrics(request.accept_mimetypes)
         self._on_scrape()
-        body = self._renderer.render(self.collector.collect().published, openmetrics)
+        collection = self.collector.collect()
+        body = self._renderer.render(collection.published, openmetrics)
         headers = {"Content-Type": CONTENT_TYPE_OPENMETRICS if openmetrics else CONTENT_TYPE_PLAIN_0_0_4,
                    "Vary": "Accept, Accept-Encoding"}
         if gzip_wanted(request.accept_encodings):
@@ -145,7 +153,7 @@ class MetricsApp:
             # 16x smaller body instead of 21x (docs/performance.md): the scrape is what waits for it.
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
-        return Response(body, headers=headers)
+        return Response(body, headers=headers), collection
 
     def healthz(self) -> Response:
         collection: Collection = self.collector.collect()

@@ -200,6 +200,11 @@ class OwnerElection:
         self.held = False
         self._close_fd()
 
+    def hand_off(self) -> None:
+        """Leave the election to the other holder of our open file description (a serving helper that
+        stays on): our descriptor goes, the lock stays, for the same reason as forget_after_fork."""
+        self.forget_after_fork()
+
     def _close_fd(self) -> None:
         # Forget the number before closing it: a fork landing in between must
         # not leave a child that closes a number the parent already closed

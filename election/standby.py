@@ -71,6 +71,11 @@ class LockWaiter:
     def detached(self) -> bool:
         return self._detached.is_set()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether it still waits (or is about to offer a win): not detached, not ended."""
+        return not self._detached.is_set() and self._thread.is_alive()
+
     def start(self) -> None:
         """Start waiting (RuntimeError where the process is out of threads)."""
         _waiters.add(self)
@@ -183,3 +188,25 @@ def _after_fork_in_child() -> None:
 if fcntl is not None:
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
+
+
+def standby_waits(fd: int) -> bool:
+    """Whether some process is blocked in flock() for the lock file open as ``fd`` (a standby waiting).
+
+    The kernel lists blocked requests in /proc/locks ("->" lines) by device and inode; False where it
+    cannot be read.
+    """
+    st = os.fstat(fd)
+    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) < 7 or fields[1] != "->" or fields[2] != "FLOCK":
+                    continue
+                major, minor, inode = fields[6].split(":")
+                if (int(major, 16), int(minor, 16), int(inode)) == wanted:
+                    return True
+    except (OSError, ValueError):
+        return False
+    return False

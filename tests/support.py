@@ -524,3 +524,9 @@ def make_exporter_fixture() -> Iterator[Callable[..., Any]]:
     yield build
     for exporter in made:
         exporter.close()
+
+
+def proc_cpu_s(pid: int) -> float:
+    """The CPU time (user + system, in seconds) process ``pid`` has used so far, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

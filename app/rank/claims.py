@@ -68,8 +68,8 @@ class ClaimLog:
         if outcome.claim is Claim.LOST:
             if not self._lost_logged:
                 self._lost_logged = True
-                log.info("another process of the run serves %s; this one records its telemetry for it",
-                         self.address)
+                log.info("another process of the run serves %s; this one records its telemetry for it and "
+                         "takes the address over the moment that process is gone", self.address)
         elif outcome.claim is Claim.SHORT:
             self.shortage(outcome.reason or "unknown")
         elif outcome.claim is Claim.UNBOUND:

@@ -14,6 +14,7 @@ NIXL_PROMETHEUS_MP_SERVE=thread asks for it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -21,21 +22,31 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from app.health import WarningDoc, owner_doc, replaced_warning
+from app.rank import standby
 from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
 from app.rank.supervisor import HelperSpec, HelperState, HelperSupervisor, helper_unusable
 from app.server import BoundedServer, bind_listener, close_listener, serve_in_thread
 from app.web import MetricsApp
 from election import Outcome, OwnerElection
 from election.lock import SCARCE
+from election.standby import LockWaiter
+from election.standby import holding_off_fork as holding_off_waiter_fork
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
 
 WATCH_NS = 1_000_000_000  # the owner checks that its lock file is still the directory's at most every 1 s
 CLOSE_WAIT_S = 10.0  # close() waits this long for another thread's takeover (a bind and a thread start) to finish
 _CALLBACK_WAIT_S = 0.05  # the supervisor's callbacks retry the endpoint's lock at this pace until it stops
+# A standby that just won the lock may find the port still bound for a moment: the departed holder's
+# descriptors close one by one as it exits (the lock's can go before the listener's).  It retries the bind
+# at this pace for this long before it concludes that something outside the run holds the port.
+_BUSY_PORT_RETRY_S, _BUSY_PORT_WINDOW_S = 0.005, 0.5
+# close() waits this long for a helper that is starting to be ready, to leave the address to it (see close).
+HAND_OFF_WAIT_S = 2.0
 
 
 _endpoints: weakref.WeakSet[ScrapeEndpoint] = weakref.WeakSet()
@@ -112,26 +123,78 @@ class ScrapeEndpoint:
                 self._lock.release()
         self._on_watch()
 
+    @property
+    def lock_path(self) -> Path:
+        """(standby.Standing) The lock file this endpoint elects on."""
+        return self.election.path
+
     def _take_over(self) -> TakeOver:
         """Win the election, bind and serve, or give it all back; the outcome is the caller's to report."""
         if self.election.try_win() is Outcome.LOST:
             shortage = self.election.shortage
-            return TakeOver(Claim.LOST) if shortage is None else TakeOver(Claim.SHORT, reason=shortage)
-        listener = None
+            if shortage is not None:
+                return TakeOver(Claim.SHORT, reason=shortage)
+            standby.stand_by(self)  # the export path keeps re-electing too: for what no waiter covers
+            return TakeOver(Claim.LOST)
+        standby.stand_down(self)
+        outcome = self._serve(lambda: True, busy_port_window_s=0.0)
+        if outcome.claim in (Claim.SHORT, Claim.UNBOUND):
+            self.election.release()  # give it back at once, so that any other rank can take it meanwhile
+        return outcome
+
+    def take_over_from(self, waiter: LockWaiter) -> bool:
+        """(standby.Standing, on the waiter's thread) Serve with the lock the waiter just won; False to turn it
+        down (the waiter then releases it and pauses before it contends again)."""
+        if not self._lock.acquire(timeout=_CALLBACK_WAIT_S * 20):
+            return False  # this endpoint is busy claiming or closing: it re-elects itself if it needs to
         try:
-            listener = bind_listener(self.host, self.port)
+            if self._closed or self._listener is not None or self.election.held:
+                return False
+
+            def adopt() -> bool:
+                with holding_off_waiter_fork():  # the descriptor is recorded somewhere at any fork
+                    fd = waiter.hand_over()
+                    if fd is None:
+                        return False  # detached meanwhile: it holds nothing any more
+                    self.election.adopt(fd)
+                return True
+
+            # Adopted only once bound: a failed bind is conceded by the waiter (never a tight loop).
+            outcome = self._serve(adopt, busy_port_window_s=_BUSY_PORT_WINDOW_S)
+        finally:
+            self._lock.release()
+        self._log.report(outcome)
+        return outcome.claim in (Claim.SERVING, Claim.CLOSED)
+
+    def _serve(self, adopt: Callable[[], bool], busy_port_window_s: float) -> TakeOver:
+        """Elected: bind, serve from a thread, start the helper; nothing is held if it cannot."""
+        listener = None
+        deadline = time.monotonic() + busy_port_window_s
+        try:
+            while True:
+                try:
+                    listener = bind_listener(self.host, self.port)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(_BUSY_PORT_RETRY_S)
             self._server, _ = serve_in_thread(listener, self.app, f"nixl-metrics-{self.port}")
         except (OSError, RuntimeError, MemoryError) as exc:
-            # Whatever failed (the bind, werkzeug's descriptor, the thread), nothing serves: give the
-            # election back at once, so that any other rank can take the address over meanwhile.
+            # Whatever failed (the bind, werkzeug's descriptor, the thread), nothing serves.
             if listener is not None:
                 close_listener(listener)
-            self.election.release()
             if isinstance(exc, OSError) and exc.errno in SCARCE:
                 return TakeOver(Claim.SHORT, reason=os.strerror(exc.errno))
             if isinstance(exc, OSError) and exc.errno is not None:
                 return TakeOver(Claim.UNBOUND, bind_error=exc)
             return TakeOver(Claim.SHORT, reason=f"{type(exc).__name__}: {exc}")
+        if not adopt():
+            server, self._server = self._server, None
+            if server is not None:
+                server.stop()
+            close_listener(listener)
+            return TakeOver(Claim.LOST)
         self._listener = listener
         self.serving_since = time.time()
         no_helper = self._start_helper()
@@ -252,40 +315,55 @@ class ScrapeEndpoint:
                          flock=not self.election.problem, since=self.serving_since, server_pid=os.getpid(),
                          serving="thread")
 
-    def close(self) -> None:
+    def stand_down(self) -> None:
+        """Stop standing by for the address (the first step of closing; bounded, from anywhere)."""
+        standby.stand_down(self)
+
+    def close(self, hand_off: bool = False) -> None:
         """Stop serving and free the port, THEN release the election.
 
         The other order would let a sibling win the election and fail to
         bind the port we still hold, then back off for seconds.  Safe from a
         signal handler and from atexit at any moment (see the class doc).
+
+        ``hand_off``: if a serving helper runs (or is ready within HAND_OFF_WAIT_S), leave the address to it
+        instead: it serves the departed stores, this rank's among them, until each was served once or no
+        rank is left to take the address over (app.rank.linger), and the port and the election go with it.
         """
         self._closed = True  # first: an interrupted claim sees it when it resumes
+        standby.stand_down(self)
         if not self._lock.acquire(timeout=CLOSE_WAIT_S):
             log.warning("closing %s: another thread is stuck taking the address over; it gives it back when "
                         "it returns", self.address)
             return
         try:
-            self._stop()
+            self._stop(hand_off)
         finally:
             self._lock.release()
 
-    def _stop(self) -> None:
+    def _stop(self, hand_off: bool = False) -> None:
         # The helper first: it holds the listener and the lock too, and the port is free only once it is gone.
         supervisor, self._supervisor = self._supervisor, None
         server, self._server = self._server, None
         retired, self._retired = self._retired, []
         listener, self._listener = self._listener, None
         self.serving_since = self.replaced_at = None
+        handed_off = False
         if supervisor is not None:
-            supervisor.stop()
+            handed_off = hand_off and self.election.descriptor is not None and supervisor.leave(HAND_OFF_WAIT_S)
+            if not handed_off:
+                supervisor.stop()
         for thread_server in [*retired, *([server] if server is not None else [])]:
             thread_server.stop()
         if listener is not None:
-            close_listener(listener)
-        self.election.release()
+            close_listener(listener)  # our descriptor only: a helper that stays on keeps the port
+        if handed_off:
+            self.election.hand_off()
+        else:
+            self.election.release()
 
     def _after_fork_in_child(self) -> None:
-        """A forked child never serves the parent's socket nor holds its election.
+        """A forked child never serves the parent's socket nor holds its election (nor stands by: app.standby).
 
         (The listeners themselves were closed by app.server's fork hook.)
         """

@@ -100,13 +100,18 @@ class _CloseState:
 def _release(endpoint: ScrapeEndpoint, writer: StoreWriter, state: _CloseState) -> _CloseState:
     """close()'s work; also run by the garbage collector and at exit for an Exporter nobody closed."""
     state.closer = threading.get_ident()
+    # In this order: a rank that closes takes nothing over any more; its store is departed (final) before
+    # the endpoint goes, so that a serving helper left the address knows no writer of ours remains.
     try:
-        endpoint.close()
-    except Exception:  # at exit or in the collector, a failure must cost the endpoint only
-        log.warning("closing the telemetry endpoint of %s failed", writer.path.name, exc_info=True)
-    finally:
+        endpoint.stand_down()
         writer.close()
-        state.done.set()
+    finally:
+        try:
+            endpoint.close(hand_off=True)
+        except Exception:  # at exit or in the collector, a failure must cost the endpoint only
+            log.warning("closing the telemetry endpoint of %s failed", writer.path.name, exc_info=True)
+        finally:
+            state.done.set()
     return state
 
 

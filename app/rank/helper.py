@@ -18,15 +18,21 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.rank.linger import Linger
 
 log = logging.getLogger("nixl_prometheus_mp.helper")
 
 HELPER_COMMAND = "serving-helper"  # python -m app serving-helper ...: what ps shows (not in the CLI's --help)
 WATCH_S = 1.0  # how often the helper checks its serving thread (and the supervisor lets the endpoint check)
-READY = b"R"  # the helper's one message on the channel: it accepts connections
+READY = b"R"  # the helper's message on the channel: it accepts connections
+LEAVE = b"L"  # the rank's: it is closing, and leaves the address to the helper (see main)
+KILL_WAIT_S = 2.0  # how long a helper that goes waits for the answers being written
 # The terminal's signals, which are for the rank: the helper is in a session of its own, so a terminal does not
 # send them to it, and it ignores them in case someone sends them to its process group by hand.
 _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
@@ -85,39 +91,58 @@ def main(argv: list[str] | None = None) -> int:
                                f"{args.for_pid}): %(message)s")
     listener = socket.socket(fileno=args.listener_fd)
     channel = socket.socket(fileno=args.channel_fd)
-    _server, thread = _serve(args, listener)
+    server, thread, linger = _serve(args, listener)
     channel.sendall(READY)
     poller = select.poll()
     poller.register(rank, select.POLLIN)
-    poller.register(channel.fileno(), select.POLLIN)  # EOF: the rank's end is closed, it is gone too
+    poller.register(channel.fileno(), select.POLLIN)  # LEAVE, or EOF: the rank's end is closed, it is gone too
     while not poller.poll(int(WATCH_S * 1000)):
         if not thread.is_alive():
             log.error("the serving thread ended; exiting so that the rank starts a new helper")
             return 1
-    # The rank is gone: exit now, without any clean-up that could be slow.  The kernel closes the listener and
-    # the lock with us, so the next rank to record takes the address over.
+    # The rank is gone, or leaves the address to us.  With no live writer left, nobody else would serve the
+    # departed stores: serve on for their last values (app.rank.linger), unless the election fell back to the
+    # bind (no lock: a new rank would take a held port for a foreign service and back off for seconds).
+    if args.lock_fd is not None:
+        why = linger.run()
+        if linger.since is not None:
+            log.info("no longer serving the departed ranks: %s", why)
+    # Without any clean-up that could be slow.  The port first: the lock's release (as we exit) wakes a standby
+    # at once, which must find it free; then the answers being written (the one that served the last values).
+    server.retire()
+    listener.close()
+    deadline = time.monotonic() + KILL_WAIT_S
+    while server.busy() and time.monotonic() < deadline:
+        time.sleep(0.005)
     os._exit(0)
 
 
-def _serve(args: HelperArgs, listener: socket.socket) -> tuple[Any, threading.Thread]:
+def _serve(args: HelperArgs, listener: socket.socket) -> tuple[Any, threading.Thread, Linger]:
     # Imported here, not above: ``python -m app`` reads HELPER_COMMAND from this module for every command.
     from app.collector import Collector
     from app.health import OwnerWatch, WarningDoc, health_warnings, owner_doc, replaced_warning
+    from app.rank.linger import Linger
     from app.server import serve_in_thread
     from app.web import MetricsApp
     from election import OwnerElection
+    from election.standby import standby_waits
 
     election = OwnerElection(args.directory, args.address, problem=args.problem)
     owners = OwnerWatch(args.directory, args.address, logs=False)  # the rank logs it, from its supervisor's watch
+    lock_fd = args.lock_fd
+    linger = Linger(args.directory, args.stale_ttl_s,
+                    standby_waits=lambda: lock_fd is not None and standby_waits(lock_fd))
 
     def owner() -> dict[str, Any]:
         return owner_doc(pid=args.for_pid, agent_name=args.agent_name, address=args.address, mode="in-process",
                          flock=args.problem is None, since=args.serving_since, server_pid=os.getpid(),
-                         serving="helper")
+                         serving="helper", lingering=linger.doc())
 
     def warnings() -> list[WarningDoc]:
         replaced = [] if args.replaced_at is None else [replaced_warning(args.directory, args.replaced_at)]
         return replaced + health_warnings(owners, election)
 
     app = MetricsApp(Collector(args.directory, args.stale_ttl_s), owner, warnings)
-    return serve_in_thread(listener, app, f"nixl-helper-{args.address}")
+    app.on_served = linger.served
+    server, thread = serve_in_thread(listener, app, f"nixl-helper-{args.address}")
+    return server, thread, linger

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Protocol
 
 from app.probe import exit_words
-from app.rank.helper import READY, WATCH_S, HelperArgs
+from app.rank.helper import LEAVE, READY, WATCH_S, HelperArgs
 from app.server import holding_off_fork
 from store.warnonce import OnceWarner
 
@@ -173,6 +173,8 @@ class HelperSupervisor:
         self._host = host
         self._stopping = threading.Event()
         self._restart = threading.Event()
+        self._ready = threading.Event()  # the current helper accepts connections
+        self._leaving = threading.Event()  # the rank left the address to it: it is not ours to stop or restart
         self._lock = threading.RLock()  # reentrant: stop() may run in a signal handler that interrupted stop()
         self._child: _Child | None = None
         self._thread = threading.Thread(target=self._run, name=f"nixl-metrics-{spec.address}-helper", daemon=True)
@@ -215,6 +217,29 @@ class HelperSupervisor:
         if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def leave(self, timeout_s: float) -> bool:
+        """Leave the address to the helper, which decides whether to serve on for departed ranks (see main).
+
+        Waits (bounded) for a helper that is starting.  True if the helper was told; from then on the
+        supervisor only reaps it.  False: no helper to leave it to (the caller stops as usual).
+        """
+        if not self._ready.wait(timeout_s):
+            return False
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            child = self._child
+            if child is None or self._stopping.is_set() or not self._ready.is_set():
+                return False
+            try:
+                child.channel.sendall(LEAVE)
+            except OSError:
+                return False  # it is gone: nothing to leave the address to
+            self._leaving.set()
+            return True
+        finally:
+            self._lock.release()
+
     def forget_after_fork(self) -> None:
         """In a forked child: the helper is the parent's; drop our descriptors without signalling it."""
         child, self._child = self._child, None
@@ -247,13 +272,15 @@ class HelperSupervisor:
             ready = self._await_ready(child)
             if ready:
                 self._host.helper_ready(self)
+                self._ready.set()
                 self._watch(child)
+            self._ready.clear()
             with self._lock:
                 self._child = None
                 status = child.reap()
                 lifetime_s = time.monotonic() - child.started
                 child.close()
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self._leaving.is_set():
                 return
             if not ready:
                 _warner.warn(("not-ready", self.spec.address),
@@ -345,6 +372,9 @@ class HelperSupervisor:
     def _watch(self, child: _Child) -> None:
         """Until the helper dies: the endpoint's periodic check, from a thread that holds no GIL in between."""
         while not _readable(child.pidfd, WATCH_S):
+            if self._leaving.is_set():
+                _readable(child.pidfd, None)  # it serves on for departed ranks: only reap it when it is done
+                return
             if self._stopping.is_set():
                 return
             self._host.watch()
