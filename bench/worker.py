@@ -361,8 +361,9 @@ def busy_owner() -> tuple[dict[str, Any], Handler]:
 def rank(rate: float) -> tuple[dict[str, Any], Handler]:
     """An Exporter exporting ``rate`` events per second (none if 0) from a background thread until killed.
 
-    ``hold_gil`` makes the main thread keep the GIL in one C call of ``us`` microseconds (as some extensions
-    do), answered once it returns, with when it began and ended (CLOCK_MONOTONIC, the same in every process).
+    ``close`` closes the Exporter (the job's end).  ``hold_gil`` makes the main thread keep the GIL in one C
+    call of ``us`` microseconds (as some extensions do), answered once it returns, with when it began and ended
+    (CLOCK_MONOTONIC, the same in every process).
     """
     from app import Exporter
     from store import EventType
@@ -370,18 +371,27 @@ def rank(rate: float) -> tuple[dict[str, Any], Handler]:
     constructing = time.monotonic()
     exp = Exporter(f"takeover-{os.getpid()}")
 
+    stopping = threading.Event()
+
     def loop() -> None:
         interval = 1.0 / rate
         due = time.monotonic()
-        while True:
+        while not stopping.is_set():
             exp.export_event(EventType.AGENT_TX_BYTES, 4096)
             due += interval
-            time.sleep(max(0.0, due - time.monotonic()))
+            stopping.wait(max(0.0, due - time.monotonic()))
 
+    ticker = threading.Thread(target=loop, daemon=True)
     if rate > 0:
-        threading.Thread(target=loop, daemon=True).start()
+        ticker.start()
 
     def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "close":  # the job's end: this rank's Exporter closes (its recording thread first)
+            stopping.set()
+            if ticker.is_alive():
+                ticker.join()
+            exp.close()
+            return {"closed": True}
         if cmd["op"] == "hold_gil":
             import ctypes
 

@@ -35,6 +35,7 @@ from support import (
     parse_exposition,
     pids_in,
     reaper_fixture,  # noqa: F401  (pytest fixture)
+    scrape,
     start_exporter_rank,
     start_rank,
     wait_until,
@@ -278,6 +279,9 @@ def test_the_helper_exits_with_its_rank_whichever_thread_started_it(tmp_dir: Pat
     assert not gone(helper) and owner(port)["server_pid"] == helper
     os.kill(second_pid, signum)
     second.proc.wait(DEADLINE_S)
+    # No writer is left: the helper serves the departed ranks' last values once, then goes (app.linger).
+    wait_until(lambda: (owner(port)["lingering"] or {}).get("departed") == 2, 2.0, message="lingering for both")
+    scrape(port)
     wait_until(lambda: gone(helper), 2.0, message=f"helper gone after its rank's {signal.Signals(signum).name}")
     wait_until(lambda: not address_is_held(tmp_dir, f"127.0.0.1:{port}") and can_bind(port), 2.0,
                message="the election and the port released")

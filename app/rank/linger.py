@@ -27,6 +27,9 @@ from app.collector import Collection, Collector, RankView
 log = logging.getLogger("nixl_prometheus_mp.helper")
 
 POLL_S = 0.05  # how soon a lingering helper sees a new writer (and its standby takes the address over)
+# A live writer is looked at twice, this far apart, before the address goes to it: ranks killed together die
+# one by one, and the first look can come before the last kill.
+CONFIRM_S = 0.02
 YIELD_AFTER_S = 1.0  # how long a live writer that does not stand by (see Linger.run) waits for the address
 _PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
@@ -96,12 +99,12 @@ class Linger:
                 # A standby blocked on our lock takes the address over the moment we go: go now.  A live writer
                 # that does not wait for it (a C++ rank, which re-elects as it records; a rank closing) is
                 # given YIELD_AFTER_S, so that ranks all closing together do not each hand the address on.
-                if self._standby_waits():
-                    return f"a standby waits for the address ({live[0].snapshot.name} is live)"
                 live_since = now if live_since is None else live_since
+                if self._standby_waits() and now - live_since >= CONFIRM_S:
+                    return f"a standby waits for the address ({live[0].snapshot.name} is live)"
                 if now - live_since >= YIELD_AFTER_S:
                     return f"{live[0].snapshot.name} is live"
-                self._scraped.wait(POLL_S)
+                self._scraped.wait(CONFIRM_S)
                 continue
             live_since = None
             with self._lock:
