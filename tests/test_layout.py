@@ -37,7 +37,8 @@ ALLOWED = {
     "entry": {"entry", "cli", "rank", "aggregator", "core", "election", "store"},
 }
 # A rank's own code, which the serving helper's program and the aggregator never load.
-RANK_CODE = {"app.rank.exporter", "app.rank.recording", "app.rank.endpoint", "app.rank.claims", "app.rank.supervisor"}
+RANK_CODE = {"app.rank.exporter", "app.rank.recording", "app.rank.endpoint", "app.rank.claims", "app.rank.supervisor",
+             "app.rank.standby"}
 
 
 def module_files() -> dict[str, Path]:
@@ -213,7 +214,7 @@ listener = socket.create_server(("127.0.0.1", 0))
 args = HelperArgs(for_pid=os.getppid(), address="127.0.0.1:1", directory=Path({str(tmp_path)!r}),
                   listener_fd=listener.fileno(), channel_fd=-1, lock_fd=None, problem=None, agent_name="a",
                   stale_ttl_s=30.0, serving_since=None, replaced_at=1.0, log_level=30)
-server, thread = _serve(args, listener)
+server, thread, linger = _serve(args, listener)
 connection = http.client.HTTPConnection(*listener.getsockname(), timeout=10)
 connection.request("GET", "/healthz")
 doc = json.loads(connection.getresponse().read())
