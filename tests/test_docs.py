@@ -282,3 +282,21 @@ def test_operations_page_states_the_format_prometheus_is_served(tmp_path: Path) 
     assert served_content_type(tmp_path, "application/openmetrics-text") == CONTENT_TYPE_OPENMETRICS
     assert served_content_type(tmp_path, "application/openmetrics-text, text/plain;version=1.0.0") == \
         CONTENT_TYPE_OPENMETRICS
+
+
+def test_cpp_interop_example_starts_the_ranks_once_the_aggregator_holds_the_address() -> None:
+    """Started together, a C++ rank could win the address first; the example waits for the aggregator's /healthz."""
+    text = (REPO / "docs" / "cpp-interop.md").read_text()
+    (block,) = re.findall(r"```sh\n(.*?)```", doc_section(text, "The example: two real agents"), re.S)
+    lines = [line.split(" #", 1)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    port = re.search(r"\bNIXL_TELEMETRY_PROMETHEUS_PORT=(\d+)\b", block)
+    assert port is not None and port.group(1) != "9090", "Prometheus's own port"
+    aggregator = next(i for i, line in enumerate(lines) if "gunicorn" in line)
+    ranks = [i for i, line in enumerate(lines) if "examples/cpp_agents.py" in line]
+    waits = [i for i, line in enumerate(lines)
+             if re.fullmatch(rf"until curl -sf 127\.0\.0\.1:{port.group(1)}/healthz >/dev/null; do sleep [0-9.]+; done",
+                             line)]
+    assert len(ranks) == 2 and len(waits) == 1 and aggregator < waits[0] < min(ranks), lines
+    assert lines[aggregator].endswith("&") and all(lines[i].endswith("&") for i in ranks)
+    for address in re.findall(r"127\.0\.0\.1:(\d+)", block):
+        assert address == port.group(1), "every command of the example uses its port"
