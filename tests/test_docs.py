@@ -300,3 +300,16 @@ def test_cpp_interop_example_starts_the_ranks_once_the_aggregator_holds_the_addr
     assert lines[aggregator].endswith("&") and all(lines[i].endswith("&") for i in ranks)
     for address in re.findall(r"127\.0\.0\.1:(\d+)", block):
         assert address == port.group(1), "every command of the example uses its port"
+
+
+def test_example_ports_are_not_prometheuss_own() -> None:
+    """9090 is the ranks' default (the C++ plug-in's, a contract) but also Prometheus's own port: the examples that
+    run on a host (the aggregator's, the C++ interop's) use another one, the same everywhere."""
+    ports = set()
+    for page, line in doc_command_lines():
+        for port in re.findall(r"\bNIXL_TELEMETRY_PROMETHEUS_PORT=(\d+)", line):
+            ports.add(port)
+            assert port != "9090", (page, line)
+    assert len(ports) == 1, ports  # README, operations.md and cpp-interop.md's examples
+    config = README.read_text().split("\n## Configuration\n", 1)[1]
+    assert "| `NIXL_TELEMETRY_PROMETHEUS_PORT` | scrape port, 1..65535 | 9090 |" in config  # the default stays
