@@ -63,6 +63,7 @@ class Settings:
     respawn_repeats: int = 9
     respawn_scrape_every_s: float = 0.01
     tmp: str | None = None
+    quick: bool = False  # --quick: a smoke run, which the report says its targets are not judged by
 
 
 @dataclass

@@ -210,3 +210,106 @@ def test_operations_aggregate_command_is_the_procfiles_through_the_console_scrip
     assert shlex.split(command.split("#")[0]) == [cli.PROG, cli.AGGREGATE_COMMAND]
     assert procfile_web_command() == ["gunicorn", "-c", cli.AGGREGATOR_CONFIG, cli.AGGREGATOR_APP]
     assert f"gunicorn -c {cli.AGGREGATOR_CONFIG} [GUNICORN OPTIONS] {cli.AGGREGATOR_APP}" in command
+
+
+# -- what Prometheus is served ----------------------------------------------------------------------------------
+
+# The Accept headers Prometheus sends on every scrape by default. 2.42's is fixed in its scraper; 3.x's is built
+# from scrape_protocols' default (OpenMetricsText1.0.0, OpenMetricsText0.0.1, PrometheusText1.0.0,
+# PrometheusText0.0.4), q from 0.6 down, then */*; its escaping parameter goes on the 1.0.0 formats, or, in the
+# first 3.x releases, on every entry.
+PROMETHEUS_DEFAULT_ACCEPT = {
+    "2.42": ["application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"],
+    "3.x": ["application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+            "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,"
+            "text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+            "application/openmetrics-text;version=0.0.1;escaping=allow-utf-8;q=0.5,"
+            "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;escaping=allow-utf-8;q=0.3,"
+            "*/*;q=0.2"],
+}
+
+
+def served_content_type(directory: Path, accept: str | None) -> str:
+    """The Content-Type /metrics answers ``accept`` with (None: no Accept header), from the WSGI app itself."""
+    from werkzeug.test import Client
+
+    from app.collector import Collector
+    from app.web import MetricsApp
+
+    client = Client(MetricsApp(Collector(directory, 30), lambda: {"pid": os.getpid()}))
+    response = client.get("/metrics", headers={} if accept is None else {"Accept": accept})
+    assert response.status_code == 200
+    return response.headers["Content-Type"]
+
+
+def doc_section(text: str, title: str) -> str:
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_operations_page_states_the_format_prometheus_is_served(tmp_path: Path) -> None:
+    """The negotiation decides what the HTTP and Prometheus compatibility sections say Prometheus gets."""
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+    from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
+
+    formats = {"text 0.0.4": CONTENT_TYPE_PLAIN_0_0_4, "OpenMetrics 1.0.0": CONTENT_TYPE_OPENMETRICS}
+    text = OPERATIONS.read_text()
+    compatibility = doc_section(text, "Prometheus compatibility")
+    rows = re.findall(r"^ *\| ([0-9.x]+) \| `([^`]+)` \| ([^|]+?) \|$", compatibility, re.M)
+    assert sorted(version for version, _, _ in rows) == sorted(PROMETHEUS_DEFAULT_ACCEPT), rows
+    for version, accept, stated in rows:
+        assert accept == PROMETHEUS_DEFAULT_ACCEPT[version][0], f"{version}: not its default Accept header"
+        for header in PROMETHEUS_DEFAULT_ACCEPT[version]:
+            assert served_content_type(tmp_path, header) == formats[stated], (version, header, stated)
+    assert {stated for _, _, stated in rows} == {"text 0.0.4"}  # so no sentence may say Prometheus gets OpenMetrics
+    assert "Prometheus is served the text format 0.0.4" in " ".join(compatibility.split())
+    in_a_sentence = r"(?:[^.]|\.(?=\S))*"  # what follows within the sentence (a version's dots do not end it)
+    claim = re.compile(rf"Prometheus{in_a_sentence}(?:scrapes|is served|gets){in_a_sentence}OpenMetrics")
+    assert not claim.search(" ".join(text.split())), claim.search(" ".join(text.split()))
+
+    # The HTTP section's list of what counts as accepting the text format, and what gets OpenMetrics.
+    http = " ".join(doc_section(text, "HTTP").split("\n- ", 2)[1].split())
+    assert http.startswith("`GET /metrics`: the Prometheus text format 0.0.4 to every client that accepts it"), http
+    accepted = re.search(r"no `Accept` header, or one that lists (.*?) at any q above 0", http)
+    assert accepted is not None, http
+    listed = re.findall(r"`([^`]+)`", accepted.group(1))
+    assert len(listed) == 4, listed
+    for accept in [None, *listed, *(f"application/openmetrics-text;version=1.0.0, {a};q=0.1" for a in listed)]:
+        assert served_content_type(tmp_path, accept) == CONTENT_TYPE_PLAIN_0_0_4, accept
+    assert "OpenMetrics 1.0.0 only to a client that accepts `application/openmetrics-text` and not the text " \
+           "format 0.0.4" in http
+    assert served_content_type(tmp_path, "application/openmetrics-text") == CONTENT_TYPE_OPENMETRICS
+    assert served_content_type(tmp_path, "application/openmetrics-text, text/plain;version=1.0.0") == \
+        CONTENT_TYPE_OPENMETRICS
+
+
+def test_cpp_interop_example_starts_the_ranks_once_the_aggregator_holds_the_address() -> None:
+    """Started together, a C++ rank could win the address first; the example waits for the aggregator's /healthz."""
+    text = (REPO / "docs" / "cpp-interop.md").read_text()
+    (block,) = re.findall(r"```sh\n(.*?)```", doc_section(text, "The example: two real agents"), re.S)
+    lines = [line.split(" #", 1)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    port = re.search(r"\bNIXL_TELEMETRY_PROMETHEUS_PORT=(\d+)\b", block)
+    assert port is not None and port.group(1) != "9090", "Prometheus's own port"
+    aggregator = next(i for i, line in enumerate(lines) if "gunicorn" in line)
+    ranks = [i for i, line in enumerate(lines) if "examples/cpp_agents.py" in line]
+    waits = [i for i, line in enumerate(lines)
+             if re.fullmatch(rf"until curl -sf 127\.0\.0\.1:{port.group(1)}/healthz >/dev/null; do sleep [0-9.]+; done",
+                             line)]
+    assert len(ranks) == 2 and len(waits) == 1 and aggregator < waits[0] < min(ranks), lines
+    assert lines[aggregator].endswith("&") and all(lines[i].endswith("&") for i in ranks)
+    for address in re.findall(r"127\.0\.0\.1:(\d+)", block):
+        assert address == port.group(1), "every command of the example uses its port"
+
+
+def test_example_ports_are_not_prometheuss_own() -> None:
+    """9090 is the ranks' default (the C++ plug-in's, a contract) but also Prometheus's own port: the examples that
+    run on a host (the aggregator's, the C++ interop's) use another one, the same everywhere."""
+    ports = set()
+    for page, line in doc_command_lines():
+        for port in re.findall(r"\bNIXL_TELEMETRY_PROMETHEUS_PORT=(\d+)", line):
+            ports.add(port)
+            assert port != "9090", (page, line)
+    assert len(ports) == 1, ports  # README, operations.md and cpp-interop.md's examples
+    config = README.read_text().split("\n## Configuration\n", 1)[1]
+    assert "| `NIXL_TELEMETRY_PROMETHEUS_PORT` | scrape port, 1..65535 | 9090 |" in config  # the default stays
