@@ -125,16 +125,24 @@ def test_a_jobs_last_values_are_served_after_its_last_rank_ended(tmp_dir: Path, 
 
 def test_a_lingering_helper_yields_to_a_new_run(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
-    old = start_exporter_rank(reaper, tmp_dir, port, agent="r0", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "120"})
+    old = start_exporter_rank(reaper, tmp_dir, port, agent="r0", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "120"},
+                              log_level="INFO")
     wait_until(lambda: healthz(port)["owner"]["serving"] == "helper", timeout=TAKEOVER_BOUND_S)
     old.events(_final_values(0))
     old.kill()
-    lingering = wait_until(lambda: healthz(port, timeout=2.0)["owner"].get("lingering"), timeout=TAKEOVER_BOUND_S)
+    lingering = _await_lingering(port, old)
     assert lingering["departed"] == 1
     helper_pid = healthz(port)["owner"]["server_pid"]
     new = start_exporter_rank(reaper, tmp_dir, port, agent="new")
     assert wait_for_new_owner(port, {new.pid: new}, old.pid) == new.pid
     wait_until(lambda: not os.path.exists(f"/proc/{helper_pid}") or _zombie(helper_pid), timeout=TAKEOVER_BOUND_S)
+
+
+def _await_lingering(port: int, rank: ExporterRank) -> dict[str, object]:
+    try:
+        return wait_until(lambda: healthz(port, timeout=2.0)["owner"].get("lingering"), timeout=TAKEOVER_BOUND_S)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the rank's (and its helper's) stderr:\n{rank.stderr()}") from None
 
 
 def _zombie(pid: int) -> bool:
@@ -147,12 +155,13 @@ def _zombie(pid: int) -> bool:
 
 def test_a_lingering_helper_ends_once_each_departed_store_was_served(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
-    rank = start_exporter_rank(reaper, tmp_dir, port, agent="r0", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "120"})
+    rank = start_exporter_rank(reaper, tmp_dir, port, agent="r0", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "120"},
+                               log_level="INFO")
     wait_until(lambda: healthz(port)["owner"]["serving"] == "helper", timeout=TAKEOVER_BOUND_S)
     helper_pid = healthz(port)["owner"]["server_pid"]
     rank.events(_final_values(0))
     rank.kill()
-    wait_until(lambda: healthz(port, timeout=2.0)["owner"].get("lingering"), timeout=TAKEOVER_BOUND_S)
+    _await_lingering(port, rank)
     assert Path(f"/proc/{helper_pid}").exists()  # /healthz does not count as serving the values
     _assert_final_values_served(port, [rank])
     wait_until(lambda: _zombie(helper_pid), timeout=TAKEOVER_BOUND_S)

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     # bind (no lock: a new rank would take a held port for a foreign service and back off for seconds).
     if args.lock_fd is not None:
         why = linger.run()
-        if linger.since is not None:
-            log.info("no longer serving the departed ranks: %s", why)
+        log.info("%s: %s", "no longer serving the departed ranks" if linger.since is not None else
+                 "the rank is gone; leaving the address", why)
     # Without any clean-up that could be slow.  The port first: the lock's release (as we exit) wakes a standby
     # at once, which must find it free; then the answers being written (the one that served the last values).
     server.retire()

@@ -65,6 +65,7 @@ class Linger:
     def __init__(self, directory: Path, stale_ttl_s: float, standby_waits: Callable[[], bool]) -> None:
         # An onlooker's collector: the serving app's own collector reaps, as on any scrape.
         self._collector = Collector(directory, stale_ttl_s, reap=False)
+        self._ttl_s = stale_ttl_s
         self._standby_waits = standby_waits  # whether a standby is blocked on the lock we hold
         self._served: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
@@ -93,7 +94,8 @@ class Linger:
             collection = self._collector.collect()
             if collection.scan_error is not None:
                 return collection.scan_error
-            live = [view for view in collection.live if not dying(view.snapshot.pid)]
+            going = [view for view in collection.live if dying(view.snapshot.pid)]  # final once they are gone
+            live = [view for view in collection.live if view not in going]
             now = time.monotonic()
             if live:
                 # A standby blocked on our lock takes the address over the moment we go: go now.  A live writer
@@ -108,8 +110,8 @@ class Linger:
                 continue
             live_since = None
             with self._lock:
-                pending = [view for view in collection.stale
-                           if _key(view) not in self._served and (view.reap_in_s or 0.0) > 0]
+                pending = going + [view for view in collection.stale
+                                   if _key(view) not in self._served and (view.reap_in_s or 0.0) > 0]
             if not pending:
                 return "every departed rank was served since its last update, or is past its TTL"
             now = time.time()
@@ -117,8 +119,8 @@ class Linger:
                 self.since = now
                 log.info("the rank is gone and no live writer remains: serving the last values of %d departed "
                          "rank(s) until each is scraped once (at most %.0f s)", len(pending),
-                         max(view.reap_in_s or 0.0 for view in pending))
+                         max(self._ttl_s if view.alive else view.reap_in_s or 0.0 for view in pending))
             self.departed = len(pending)
-            self.until = now + max(view.reap_in_s or 0.0 for view in pending)
+            self.until = now + max(self._ttl_s if view.alive else view.reap_in_s or 0.0 for view in pending)
             self._scraped.wait(POLL_S)
             self._scraped.clear()
