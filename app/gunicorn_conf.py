@@ -21,7 +21,7 @@ from typing import NoReturn
 
 from gunicorn.glogging import Logger
 
-from app.aggregator.hooks import hold_election, refuse_reexec, release_election, worker_forked
+from app.aggregator.hooks import hold_election, port_problem, refuse_reexec, release_election, worker_forked
 from app.aggregator.settings import gunicorn_counts, gunicorn_overrides, prepare_standalone
 from app.config import Config, ConfigError
 
@@ -73,6 +73,10 @@ def on_starting(server):
         hold_election(_config)
     except KeyboardInterrupt:  # Ctrl-C while another process serves the address and we wait for it
         raise SystemExit(1) from None
+    problem = port_problem(_config)
+    if problem:
+        release_election()
+        _refuse(problem)
 
 
 def pre_exec(server):

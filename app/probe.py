@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from election.lock import flock_entries
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -72,17 +74,9 @@ def lock_holder_pid(path: Path) -> int | None:
     """The pid /proc/locks gives for the flock on ``path`` (None: not found, or in another pid namespace)."""
     try:
         st = os.stat(path)
-        with open("/proc/locks") as locks:
-            lines = locks.read().splitlines()
     except OSError:
         return None
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    for line in lines:
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; blocked waiters have "->" and are skipped.
-        fields = line.split()
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
-            return int(fields[4]) or None
-    return None
+    return next((pid or None for blocked, pid in flock_entries(st) if not blocked), None)
 
 
 def port_holders(port: int) -> str:

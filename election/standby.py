@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-from election.lock import SCARCE, open_lock_file
+from election.lock import SCARCE, flock_entries, open_lock_file
 
 try:
     import fcntl
@@ -191,22 +191,5 @@ if fcntl is not None:
 
 
 def standby_waits(fd: int) -> bool:
-    """Whether some process is blocked in flock() for the lock file open as ``fd`` (a standby waiting).
-
-    The kernel lists blocked requests in /proc/locks ("->" lines) by device and inode; False where it
-    cannot be read.
-    """
-    st = os.fstat(fd)
-    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
-            for line in locks:
-                fields = line.split()
-                if len(fields) < 7 or fields[1] != "->" or fields[2] != "FLOCK":
-                    continue
-                major, minor, inode = fields[6].split(":")
-                if (int(major, 16), int(minor, 16), int(inode)) == wanted:
-                    return True
-    except (OSError, ValueError):
-        return False
-    return False
+    """Whether some process is blocked in flock() for the lock file open as ``fd`` (a standby waiting)."""
+    return any(blocked for blocked, _ in flock_entries(os.fstat(fd)))

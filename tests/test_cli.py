@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import listening_socket
 from support_e2e import (
     REPO,
     Proc,
@@ -188,6 +189,7 @@ def test_serve_aggregates_a_directory(tmp_path: Path) -> None:
 
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert health["owner"]["mode"] == "standalone"
+        assert health["owner"]["serving"] == "werkzeug"  # its own server, not gunicorn's
         assert health["owner"]["pid"] == serve.pid
         assert health["owner"]["election"] == "flock"
         assert sorted(rank["pid"] for rank in health["live"]) == sorted(rank.pid for rank in ranks)
@@ -198,6 +200,16 @@ def test_serve_aggregates_a_directory(tmp_path: Path) -> None:
         serve.killpg(signal.SIGTERM)
         assert serve.popen.wait(timeout=10) == 0, serve.output
         assert "Traceback" not in serve.output
+
+
+def test_serve_on_a_port_held_outside_the_run_names_the_holder(tmp_path: Path) -> None:
+    port = free_port()
+    foreign = listening_socket(port)
+    try:
+        done = run_cli("serve", env=rank_env(tmp_path / "mp", port))
+    finally:
+        foreign.close()
+    assert_one_line_error(done, f"127.0.0.1:{port}", f"in use by pid {os.getpid()}")
 
 
 def test_serve_without_the_directory_is_one_line(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import open_direct
+from support import listening_socket, open_direct
 from support_e2e import (
     REPO,
     VENV_BIN,
@@ -42,7 +42,7 @@ from support_e2e import (
     wait_until,
 )
 
-from election import lock_file_name
+from election import address_is_held, lock_file_name
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0"  # a client that accepts nothing else
 
@@ -264,6 +264,25 @@ def test_bad_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.output, proc.output
     assert proc.output.strip() == ("nixl-prometheus-mp: error: NIXL_TELEMETRY_PROMETHEUS_PORT='99999' is outside "
                                    "1..65535"), proc.output
+
+
+def test_a_port_held_outside_the_run_fails_the_start_in_one_line_naming_the_holder(tmp_path: Path) -> None:
+    """A local Prometheus on its own 9090, say: one line naming the process, not gunicorn's five retries."""
+    port = free_port()
+    foreign = listening_socket(port)
+    try:
+        with reaper() as r:
+            proc = r.start(procfile_web_command(), rank_env(tmp_path / "mp", port), cwd=tmp_path)
+            assert proc.popen.wait(timeout=30) != 0
+    finally:
+        foreign.close()
+    out = proc.output.strip()
+    assert "Traceback" not in out and "Connection in use" not in out, out
+    assert out.splitlines()[-1] == (f"nixl-prometheus-mp: error: cannot bind 127.0.0.1:{port}: the port is in use "
+                                    f"by pid {os.getpid()} ({Path('/proc/self/comm').read_text().strip()}): stop "
+                                    "it, or give the aggregator and the ranks another NIXL_TELEMETRY_PROMETHEUS_PORT"
+                                    ), out
+    assert not address_is_held(tmp_path / "mp", f"127.0.0.1:{port}")  # the election was given back
 
 
 def test_app_wsgi_without_the_config_file_names_the_variable(tmp_path: Path) -> None:

@@ -8,12 +8,14 @@ takes the address over in-process.  Workers only serve (app.aggregator.wsgi).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import time
 
 from app.config import Config
-from app.probe import die_with_parent, get_healthz, lock_holder_pid
+from app.probe import die_with_parent, get_healthz, lock_holder_pid, port_holders
 from election import Outcome, OwnerElection, lock_file_name
 
 log = logging.getLogger("nixl_prometheus_mp.standalone")
@@ -91,6 +93,23 @@ def refuse_reexec(config: Config) -> None:
               "new master could never take over; restart the aggregator instead (a rank that exports serves "
               "the address in the gap)", os.getppid(), config.address)
     os._exit(1)
+
+
+def port_problem(config: Config) -> str | None:
+    """Why the address cannot be bound now (held by whom), or None.  Checked once the election is ours, so
+    that a port held by something outside the run (a local Prometheus on its own 9090, say) is refused in one
+    line naming it, not with gunicorn's five "Connection in use" retries."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is fine
+        try:
+            probe.bind((config.host, config.port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"cannot bind {config.address}: the port is in use by {port_holders(config.port)}: stop "
+                        "it, or give the aggregator and the ranks another NIXL_TELEMETRY_PROMETHEUS_PORT")
+            return f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}"
+    return None
 
 
 def release_election() -> None:

@@ -30,11 +30,11 @@ class AggregatorConfigError(ConfigError, _AppLoadError):
     """A ConfigError that gunicorn reports as one line (it is an AppImportError), not a traceback."""
 
 
-def _owner_info(config: Config) -> dict[str, Any]:
+def _owner_info(config: Config, serving: str) -> dict[str, Any]:
     election = master.election
     return owner_doc(pid=master.pid if master.pid is not None else os.getpid(), agent_name=None,
                      address=config.address, mode="standalone", flock=election is not None and not election.problem,
-                     since=master.since, server_pid=os.getpid(), serving="gunicorn")
+                     since=master.since, server_pid=os.getpid(), serving=serving)
 
 
 def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
@@ -48,9 +48,10 @@ def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
     return warnings
 
 
-def build_app(config: Config) -> MetricsApp:
+def build_app(config: Config, serving: str = "gunicorn") -> MetricsApp:
+    """The aggregator's app; ``serving``: the server it runs on, as /healthz says ("gunicorn", "werkzeug")."""
     owners = OwnerWatch(config.directory, config.address)
-    return MetricsApp(Collector(config.directory, config.stale_ttl_s), lambda: _owner_info(config),
+    return MetricsApp(Collector(config.directory, config.stale_ttl_s), lambda: _owner_info(config, serving),
                       lambda: _warnings(config, owners), on_scrape=owners.poll)
 
 

@@ -16,7 +16,7 @@ log = logging.getLogger("nixl_prometheus_mp.cli")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.aggregator.hooks import hold_election, release_election
+    from app.aggregator.hooks import hold_election, port_problem, release_election
     from app.aggregator.settings import prepare_standalone
     from app.aggregator.wsgi import build_app
     from app.server import bind_listener, close_listener, serve_in_thread
@@ -29,9 +29,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             sock = bind_listener(config.host, config.port)
         except OSError as exc:
-            raise CliError(f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}") from None
+            raise CliError(port_problem(config) or f"cannot bind {config.address}: {os.strerror(exc.errno or 0)}"
+                           ) from None
         try:
-            server, thread = serve_in_thread(sock, build_app(config), "nixl-aggregator")
+            server, thread = serve_in_thread(sock, build_app(config, serving="werkzeug"), "nixl-aggregator")
         finally:
             close_listener(sock)  # the server serves its own duplicate
         log.info("serving %s on http://%s/metrics", config.directory, config.address)
