@@ -30,6 +30,7 @@ from support import (
     child_env,
     free_port,
     reaper_fixture,  # noqa: F401  (pytest fixture)
+    start_exporter_rank,
     start_rank,
     wait_until,
 )
@@ -158,6 +159,21 @@ def test_table_shows_every_rank_and_a_totals_line(tmp_dir: Path, reaper: Reaper)
 
 
 @pytest.mark.usefixtures("nixl_required")
+def test_the_ttl_is_the_owners_when_none_is_given(tmp_dir: Path, reaper: Reaper) -> None:
+    """Without --ttl or the variable, top counts the departed ranks' time with the TTL the owner applies."""
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "10"})
+    gone = start_exporter_rank(reaper, tmp_dir, port, agent="gone", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "10"})
+    gone.kill()
+    assert owner.serving()
+    done = top(str(tmp_dir), "--once", "--interval", "0.5", env={"NIXL_TELEMETRY_MP_STALE_TTL": ""})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].endswith(f"; TTL 10 s (the owner's, on 127.0.0.1:{port})"), lines[0]
+    departed = next(line.split() for line in lines if line.startswith("gone "))
+    assert departed[4] == "departed" and 0 < int(departed[5].rstrip("s")) <= 10, departed
+
+
 def test_reads_the_cpp_plugins_stores(tmp_dir: Path, reaper: Reaper) -> None:
     (rank,) = start_cpp_ranks(reaper, tmp_dir, free_port(), ["cpp"], [{"LOCAL_RANK": "3"}])
     rank.pump(size=4096, interval=0.05)
@@ -408,6 +424,17 @@ def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Pat
     window.wait_for(lambda s: "sort: tx" in s, "s did not change the sort")
     window.tmux("resize-window", "-t", "top", "-x", "20", "-y", "4")  # too small for anything: must not crash
     window.wait_for(lambda s: "more line" in s or s.strip().startswith(str(tmp_dir)[:10]), "narrow view not drawn")
+    window.tmux("resize-window", "-t", "top", "-x", "140", "-y", "30")
+    window.wait_for(rows_with_rates, "the view was not redrawn after growing back")
+    window.tmux("resize-window", "-t", "top", "-x", "80", "-y", "24")  # the figures stay, the rest is named
+
+    def fits_80_columns(screen: str) -> bool:
+        lines = screen.splitlines()
+        header = [line for line in lines if line.startswith("AGENT")]
+        return bool(header) and header[0].split()[-3:] == ["P50", "P99", "ERRORS"] and any(
+            line.startswith("hidden at this width: INST") for line in lines)
+
+    window.wait_for(fits_80_columns, "at 80 columns, P50, P99 and ERRORS were cut or the hidden ones not named")
     window.tmux("resize-window", "-t", "top", "-x", "140", "-y", "30")
     window.wait_for(rows_with_rates, "the view was not redrawn after growing back")
 

@@ -14,9 +14,12 @@ import os
 import select
 import signal
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
-from app.config import ConfigError, ascii_int, stale_ttl
+from app.config import TTL_ENV, ConfigError, ascii_int, stale_ttl
+from app.probe import get_healthz
+from election import held_addresses_except
 from store.metrics import ERROR_EVENTS
 
 PROG = "nixl-prometheus-mp"
@@ -109,3 +112,27 @@ def ttl_flag(text: str) -> float:
         return stale_ttl(text, "--ttl")
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def stale_ttl_of(directory: Path, given: float | None) -> tuple[float, str]:
+    """The TTL to count the departed ranks' time left with, and where it comes from: --ttl, else the
+    environment (as ranks read it), else the one the directory's owner says it applies (its /healthz), else
+    the ranks' default."""
+    if given is not None:
+        return given, "--ttl"
+    if os.environ.get(TTL_ENV):
+        return stale_ttl(os.environ[TTL_ENV]), f"${TTL_ENV}"
+    for address in held_addresses_except(directory, ""):
+        host, _, port = address.rpartition(":")
+        doc = get_healthz("127.0.0.1" if host in ("0.0.0.0", "") else host.strip("[]"), int(port)).doc
+        ttl = None if doc is None else doc.get("stale_ttl_s")
+        if isinstance(ttl, (int, float)) and _same_directory(doc.get("directory"), directory):  # type: ignore[union-attr]
+            return float(ttl), f"the owner's, on {address}"
+    return stale_ttl(None), f"the default; no owner answers: set --ttl or ${TTL_ENV}"
+
+
+def _same_directory(text: object, directory: Path) -> bool:
+    try:
+        return isinstance(text, str) and os.path.samefile(text, directory)
+    except OSError:
+        return False

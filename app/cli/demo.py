@@ -201,7 +201,8 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
         if owner is None:
             return 0
         _show(f"{args.ranks} ranks recording into {directory}; rank pid {owner} serves "
-              f"http://127.0.0.1:{args.port}/metrics and /healthz (Ctrl-C to stop)")
+              f"http://127.0.0.1:{args.port}/metrics and /healthz; a departed rank stays published "
+              f"{env[TTL_ENV]} s ({TTL_ENV}) (Ctrl-C to stop)")
         totals = _Totals(directory, args.port, started)
         reported: dict[int, str] = {}  # rank -> how it ended, for every rank that did not end cleanly
         while any(p.poll() is None for p in procs):

@@ -40,9 +40,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from app.cli.common import CliError
+from app.cli.common import CliError, stale_ttl_of
 from app.collector import Collector, RankView
-from app.config import DIR_ENV, TTL_ENV, stale_ttl
+from app.config import DIR_ENV
 from store import EventType
 from store import layout as L
 from store.metrics import ERROR_EVENTS
@@ -164,14 +164,16 @@ class Frame:
     warnings: list[str]  # stores skipped, and why
     problem: str | None  # why no row is shown: the directory cannot be listed, or holds no store
     listing_failed: bool = False
+    ttl: str = ""  # the stale TTL the departed ranks' time left is counted with, and where it comes from
 
 
 class Sampler:
     """Reads a directory again and again; each ``sample`` is a Frame over the time since the previous one."""
 
-    def __init__(self, directory: Path, stale_ttl_s: float) -> None:
+    def __init__(self, directory: Path, stale_ttl_s: float, ttl_source: str = "") -> None:
         self.directory = directory
         self.collector = Collector(directory, stale_ttl_s, reap=False)
+        self.ttl = f"TTL {stale_ttl_s:g} s" + (f" ({ttl_source})" if ttl_source else "")
         self._previous: dict[str, Snapshot] | None = None
         self._previous_at = 0.0
 
@@ -188,7 +190,8 @@ class Sampler:
         self._previous = {view.snapshot.name: view.snapshot for view in views}
         self._previous_at = at
         warnings = [str(w["message"]) for w in collection.warnings]
-        return Frame(self.directory, rows, seconds, warnings, None if rows else self._no_stores(warnings))
+        return Frame(self.directory, rows, seconds, warnings, None if rows else self._no_stores(warnings),
+                     ttl=self.ttl)
 
     def _no_stores(self, warnings: list[str]) -> str:
         if warnings:
@@ -280,31 +283,52 @@ def _total_cells(doc: dict[str, Any]) -> tuple[str, ...]:
             _duration_us(doc["xfer_time_p99_us"]), "-" if doc["errors"] is None else str(doc["errors"]))
 
 
-def _align(table: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
-    return ["  ".join(cell.ljust(w) if i < _LEFT else cell.rjust(w)
-                      for i, (cell, w) in enumerate(zip(r, widths, strict=True))).rstrip() for r in table]
+# Dropped in this order where the terminal is too narrow for the whole table (the identity, the state and the
+# figures an operator watches stay): the hidden ones are named on a line of their own.
+_NARROW_DROPS = ("INST", "AGE(s)", "RX REQ/s", "TX REQ/s", "RANK", "RX B/s")
+
+
+def _align(table: list[tuple[str, ...]], width: int | None = None) -> tuple[list[str], list[str]]:
+    """The table's lines, and the columns hidden to fit ``width`` characters (None: no limit)."""
+    columns = list(range(len(HEADER)))
+    widths = [max(len(r[i]) for r in table) for i in columns]
+    hidden: list[str] = []
+    for name in _NARROW_DROPS:
+        if width is None or sum(widths[i] for i in columns) + 2 * (len(columns) - 1) <= width:
+            break
+        columns.remove(HEADER.index(name))
+        hidden.append(name)
+    lines = ["  ".join(r[i].ljust(widths[i]) if i < _LEFT else r[i].rjust(widths[i]) for i in columns).rstrip()
+             for r in table]
+    return lines, hidden
 
 
 # Styles of render()'s lines, for the live view's attributes.
 TITLE, HEADING, ROW, DEPARTED, ERRORS, TOTAL, NOTE = range(7)
 
 
-def render(frame: Frame, sort: str = "rank", reverse: bool = False) -> list[tuple[str, int]]:
-    """The view as (text, style) lines: a title, the table with its totals line, then the warnings."""
+def render(frame: Frame, sort: str = "rank", reverse: bool = False,
+           width: int | None = None) -> list[tuple[str, int]]:
+    """The view as (text, style) lines: a title, the table with its totals line, then the warnings.
+
+    ``width``: the terminal's; columns that do not fit are hidden, and named on a line of their own.
+    """
     rows = sort_rows(frame.rows, sort, reverse)
     live = sum(r.state == "live" for r in rows)
     over = "waiting for a second read" if frame.interval_s is None else f"over {frame.interval_s:.1f} s"
-    title = f"{frame.directory}: {live} live, {len(rows) - live} departed; {over}"
+    title = f"{frame.directory}: {live} live, {len(rows) - live} departed; {over}" + (
+        f"; {frame.ttl}" if frame.ttl else "")
     lines: list[tuple[str, int]] = [(title, TITLE)]
     if frame.problem:
         return [*lines, (frame.problem, NOTE)]
     table = [HEADER, *map(_cells, rows), _total_cells(totals(rows))]
-    text = _align(table)
+    text, hidden = _align(table, width)
     lines.append((text[0], HEADING))
     lines += [(line, DEPARTED if r.state != "live" else ERRORS if r.errors else ROW)
               for line, r in zip(text[1:-1], rows, strict=True)]
     lines.append((text[-1], TOTAL))
+    if hidden:
+        lines.append((f"hidden at this width: {', '.join(hidden)} (widen the terminal to see them)", NOTE))
     return lines + [(f"warning: {w}", NOTE) for w in frame.warnings]
 
 
@@ -321,7 +345,8 @@ def _directory(given: str | None) -> Path:
 def run(directory: str | None, once: bool, as_json: bool, interval: float, ttl: float | None) -> int:
     """``python -m app top``; the arguments as parsed (``ttl`` None: from the environment, as ranks read it)."""
 
-    sampler = Sampler(_directory(directory), stale_ttl(os.environ.get(TTL_ENV)) if ttl is None else ttl)
+    path = _directory(directory)
+    sampler = Sampler(path, *stale_ttl_of(path, ttl))
     # The collector's and reader's warnings describe the files it skips: they
     # are the view's own warning lines, and must not scribble over the screen.
     logging.getLogger("nixl_prometheus_mp").setLevel(logging.ERROR)
@@ -439,7 +464,7 @@ class _LiveView:
         height, width = screen.getmaxyx()
         name = SORTS[self.sort][0]
         keys = f"sort: {name}{' reversed' if self.reverse else ''} (s: next, r: reverse)  q: quit"
-        lines = render(self.frame, name, self.reverse)
+        lines = render(self.frame, name, self.reverse, width - 1)
         lines.insert(1, (keys, NOTE))
         if len(lines) > height:  # keep the title and header, and the totals and warnings when they fit
             hidden = len(lines) - height + 1
