@@ -315,6 +315,9 @@ def test_a_forked_child_never_inherits_the_helper(tmp_dir: Path, reaper) -> None
     assert not gone(helper) and owner(port)["server_pid"] == helper  # the child's close did not touch it
     assert command_line(helper)[command_line(helper).index("--for-pid") + 1] == str(parent_pid)
     parent.kill()
+    # No writer is left: the helper serves the departed ranks' last values once, then goes (app.rank.linger).
+    wait_until(lambda: owner(port)["lingering"], 2.0, message="the helper lingering for the departed ranks")
+    scrape(port)
     wait_until(lambda: gone(helper), 2.0, message="helper gone with the parent")
 
 
@@ -362,7 +365,8 @@ def test_a_helper_killed_alone_is_replaced_and_close_reaps_it(tmp_dir: Path, rea
     assert last != first and children_of(host_pid) == [last]
     host.send("close")
     assert json.loads(host.readline())["closed"]
-    assert gone(last) and can_bind(port) and not address_is_held(tmp_dir, f"127.0.0.1:{port}")
+    _served_last_values_then_gone(port, last)
+    assert can_bind(port) and not address_is_held(tmp_dir, f"127.0.0.1:{port}")
     # Only its own child was reaped, and no zombie is left behind.
     assert [p for p in os.listdir("/proc") if p.isdigit() and process_state(int(p)) == "Z"
             and _parent(int(p)) == host_pid] == []
@@ -414,16 +418,31 @@ def test_no_scrape_fails_while_the_thread_hands_over_to_the_helper(tmp_dir: Path
     assert served[0] == "thread" and served[-1] == "helper"
     first_helper = served.index("helper")
     assert "thread" not in served[first_helper + 12:]  # (in-flight thread answers may finish just after)
+    helper = served_by_helper(port)
     exp.close()
+    _served_last_values_then_gone(port, helper)
     assert can_bind(port)
 
 
-def test_close_stops_and_reaps_the_helper_before_releasing_the_election(tmp_dir: Path, make_exporter) -> None:
+def _served_last_values_then_gone(port: int, helper: int) -> None:
+    """The last rank closed: its helper serves the departed ranks' last values once (app.rank.linger), then
+    goes, and the rank's supervisor reaps it."""
+    assert owner(port)["lingering"]["departed"] >= 1
+    scrape(port)
+    wait_until(lambda: process_state(helper) is None, 2.0, message="the helper gone and reaped once it served")
+
+
+def served_by_helper(port: int) -> int:
+    return int(owner(port)["server_pid"])
+
+
+def test_close_leaves_the_last_values_to_the_helper_which_then_goes_reaped(tmp_dir: Path, make_exporter) -> None:
     port = free_port()
     exp = make_exporter("owner", exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper"))
     helper = wait_for_helper(port, os.getpid())
     exp.close()
-    assert process_state(helper) is None  # reaped, not a zombie
+    assert not exp.serving and owner(port)["server_pid"] == helper  # it serves this rank's final values
+    _served_last_values_then_gone(port, helper)
     assert can_bind(port) and not address_is_held(tmp_dir, f"127.0.0.1:{port}")
     exp.close()  # idempotent
     assert not exp.serving and sys.modules["app.rank.supervisor"] is not None
