@@ -21,6 +21,7 @@ from typing import Any
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from election.lock import SCARCE
+from store.forkguard import ForkGuard
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -101,23 +102,34 @@ class _QuietHandler(WSGIRequestHandler):
 # keeps the port bound after we close it (no rank can take the address over) and its backlog swallows
 # scrapes.  SOCK_CLOEXEC does nothing for a fork without exec, so every listener this process opens is
 # registered here from the instant its descriptor exists until the instant it is closed, both under
-# _listeners_lock, and the fork hooks hold that lock across fork(): the child closes exactly the listeners
+# the fork guard's lock, which the fork hooks hold across fork(): the child closes exactly the listeners
 # the parent had open at that instant, whatever the parent was doing (binding, taking over, closing).
 
 _listeners: set[socket.socket] = set()
-_listeners_lock = threading.RLock()  # reentrant: werkzeug's constructor closes a socket while we hold it
-_FORK_LOCK_WAIT_S = 1.0  # a fork from a signal handler that interrupted a registration must not hang
+
+
+def _close_listeners_in_child() -> None:
+    for sock in _listeners:
+        # detach() marks the object closed without closing, so its finalizer can never close a number the
+        # child reuses; os.close drops the child's copy only (no shutdown: the parent keeps listening).
+        with contextlib.suppress(OSError):
+            os.close(sock.detach())
+    _listeners.clear()
+
+
+# Reentrant: werkzeug's constructor closes a socket while we hold it.
+_guard = ForkGuard(_close_listeners_in_child)
 
 
 def _open_listener(family: int) -> socket.socket:
-    with _listeners_lock:
+    with _guard.lock:
         sock = socket.socket(family, socket.SOCK_STREAM)
         _listeners.add(sock)
     return sock
 
 
 def close_listener(sock: socket.socket) -> None:
-    with _listeners_lock:
+    with _guard.lock:
         _listeners.discard(sock)
         sock.close()
 
@@ -126,32 +138,7 @@ def holding_off_fork() -> threading.RLock:
     """The lock fork() waits for: held, it makes the descriptors created meanwhile and recorded by the holder
     (the serving helper's pidfd and channel, see app.rank.supervisor) either absent from a child or known to its
     hooks."""
-    return _listeners_lock
-
-
-_fork_held = threading.local()
-
-
-def _before_fork() -> None:
-    _fork_held.locked = _listeners_lock.acquire(timeout=_FORK_LOCK_WAIT_S)
-
-
-def _after_fork_in_parent() -> None:
-    if getattr(_fork_held, "locked", False):
-        _fork_held.locked = False
-        _listeners_lock.release()
-
-
-def _close_listeners_in_child() -> None:
-    global _listeners_lock
-    for sock in _listeners:
-        # detach() marks the object closed without closing, so its finalizer can never close a number the
-        # child reuses; os.close drops the child's copy only (no shutdown: the parent keeps listening).
-        with contextlib.suppress(OSError):
-            os.close(sock.detach())
-    _listeners.clear()
-    _listeners_lock = threading.RLock()
-    _fork_held.locked = False
+    return _guard.lock
 
 
 class BoundedServer(ThreadedWSGIServer):
@@ -358,7 +345,7 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
     closed before the error propagates.
     """
     host, port = sock.getsockname()[:2]
-    with _listeners_lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
+    with _guard.lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
         server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
         _listeners.add(server.socket)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name=name,
@@ -371,6 +358,3 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
         raise
     return server, thread
 
-
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                    after_in_child=_close_listeners_in_child)

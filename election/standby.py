@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from election.lock import SCARCE, flock_entries, open_lock_file
+from store.forkguard import ForkGuard
 
 try:
     import fcntl
@@ -41,12 +42,10 @@ except ImportError:  # not POSIX: no waiters (the export path's election still r
 
 log = logging.getLogger("nixl_prometheus_mp.election")
 
-# How long fork() (in its before-hook) waits for a waiter that is opening or handing over its descriptor: a
-# few system calls, unless a signal handler interrupted the holder; then the fork goes ahead without it.
-_FORK_LOCK_WAIT_S = 1.0
-_fork_lock = threading.RLock()
 _waiters: weakref.WeakSet[LockWaiter] = weakref.WeakSet()
-_fork_held = threading.local()
+# (A detach() waits for the guard's lock, bounded, as fork() does: a signal handler may have interrupted its
+# holder.)
+_LOCK_WAIT_S = 1.0
 
 
 class LockWaiter:
@@ -87,7 +86,7 @@ class LockWaiter:
         Call it under :func:`holding_off_fork` and record the descriptor before releasing that: a fork must
         find it recorded here or there, never nowhere.
         """
-        with _fork_lock:
+        with _guard.lock:
             if self._detached.is_set():
                 return None  # detach() may have replaced it with /dev/null already: it holds nothing
             fd, self._fd = self._fd, None
@@ -96,7 +95,7 @@ class LockWaiter:
     def detach(self) -> None:
         """Never act again; from any thread or a signal handler, bounded.  See the module's doc."""
         self._detached.set()
-        if not _fork_lock.acquire(timeout=_FORK_LOCK_WAIT_S):
+        if not _guard.lock.acquire(timeout=_LOCK_WAIT_S):
             return  # the thread is between an open and its record: it sees the flag right after
         try:
             if self._fd is not None:
@@ -106,12 +105,12 @@ class LockWaiter:
                 finally:
                     os.close(null)
         finally:
-            _fork_lock.release()
+            _guard.lock.release()
 
     def _run(self) -> None:
         while not self._detached.is_set():
             try:
-                with _fork_lock:
+                with _guard.lock:
                     self._fd = open_lock_file(self.path)
             except OSError as exc:
                 # Unusable (or out of descriptors): the export path's election covers that case and says why.
@@ -147,31 +146,14 @@ class LockWaiter:
             return False
 
     def _close(self) -> None:
-        with _fork_lock:
+        with _guard.lock:
             fd, self._fd = self._fd, None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
 
-def holding_off_fork() -> threading.RLock:
-    """The lock fork() waits for: a waiter's descriptor is never in a child unless recorded where the
-    child's hooks find it."""
-    return _fork_lock
-
-
-def _before_fork() -> None:
-    _fork_held.locked = _fork_lock.acquire(timeout=_FORK_LOCK_WAIT_S)
-
-
-def _after_fork_in_parent() -> None:
-    if getattr(_fork_held, "locked", False):
-        _fork_held.locked = False
-        _fork_lock.release()
-
-
-def _after_fork_in_child() -> None:
-    global _fork_lock
+def _close_in_child() -> None:
     # The child's copy only: closing it releases nothing of the parent's (the lock belongs to the open file
     # description, which the parent's descriptor keeps), and a child must keep nothing that holds it.
     for waiter in list(_waiters):
@@ -181,13 +163,15 @@ def _after_fork_in_child() -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
     _waiters.clear()
-    _fork_lock = threading.RLock()
-    _fork_held.locked = False
 
 
-if fcntl is not None:
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)
+_guard = ForkGuard(_close_in_child)
+
+
+def holding_off_fork() -> threading.RLock:
+    """The lock fork() waits for: a waiter's descriptor is never in a child unless recorded where the
+    child's hooks find it."""
+    return _guard.lock
 
 
 def standby_waits(fd: int) -> bool:
