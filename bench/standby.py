@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import statistics
@@ -18,14 +19,25 @@ from typing import Any
 
 from app.config import SERVE_MODES
 from bench.common import Worker, free_port, http_get, log
-from bench.scenarios import Results, Settings, _ours_env, _owner, _poll_until, _stop_all, _tempdir, _wait_serving
-from store import read_snapshot
+from bench.scenarios import (
+    Results,
+    Settings,
+    _ours_env,
+    _owner,
+    _plugin_env,
+    _poll_until,
+    _stop_all,
+    _tempdir,
+    _wait_serving,
+)
+from store import Snapshot, read_snapshot
 
 SUCCESSIVE_OWNERS = 5
 JOB_RANKS = 6
 TARGET_S, GOAL_S, RECORDING_TARGET_S = 0.5, 0.05, 0.05
 WAIT_CPU_TARGET_S = 0.05  # per 5 s
 KINDS = {"idle": 0.0, "recording": 10.0}
+ROWS = (*KINDS, "idle, C++ owner")
 
 
 def standby(settings: Settings, results: Results) -> None:
@@ -39,6 +51,12 @@ def standby(settings: Settings, results: Results) -> None:
                 if "cpu" in figures:
                     out.setdefault("cpu", {})[mode] = figures["cpu"]
                 log(f"standby {mode} {kind}: " + ", ".join(f"{s * 1e3:.0f} ms" for s in figures["takeover"]))
+        if importlib.util.find_spec("nixl_cu12") is not None:
+            for mode in SERVE_MODES:
+                with _tempdir(settings, f"standby-cpp-{mode}") as directory:
+                    waited = _from_cpp_owner(directory, mode)
+                out.setdefault("takeover", {}).setdefault(mode, {}).setdefault("idle, C++ owner", []).append(waited)
+                log(f"standby {mode} idle, C++ owner: {waited * 1e3:.0f} ms")
         for ending in ("close", "sigkill"):
             with _tempdir(settings, "standby-end") as directory:
                 exact, new_run = _job_end(directory, ending)
@@ -79,6 +97,23 @@ def _successive_owners(directory: Path, mode: str, rate: float, measure_cpu: boo
     return figures
 
 
+def _from_cpp_owner(directory: Path, mode: str) -> float:
+    """A C++ rank (NIXL's plug-in) owns the address, two idle Python ranks stand by; SIGKILL the C++ rank."""
+    port = free_port()
+    cpp = Worker("plugin-owner", _plugin_env(directory, port))
+    workers = [cpp]
+    try:
+        if _wait_serving(port, 10) is None:
+            raise RuntimeError("the C++ rank never served")
+        workers += [Worker("rank", _ours_env(directory, port, mode), "0") for _ in range(2)]
+        os.kill(cpp.pid, signal.SIGKILL)
+        cpp.proc.wait()
+        waited = _wait_serving(port, 10)
+        return float("inf") if waited is None else waited
+    finally:
+        _stop_all(workers)
+
+
 def _job_end(directory: Path, ending: str) -> tuple[bool, float | None]:
     """(each rank's final value served exactly 2 s after the job ended, seconds until a new rank serves)."""
     env = _ours_env(directory, free_port(), "helper")
@@ -101,7 +136,8 @@ def _job_end(directory: Path, ending: str) -> tuple[bool, float | None]:
             for worker in workers:
                 worker.proc.wait()
         time.sleep(2.0)
-        truth = {s.pid: s.counters[0] for s in (read_snapshot(p) for p in directory.glob("nixl.*.mmap"))}
+        snaps = [read_snapshot(path) for path in directory.glob("nixl.*.mmap")]
+        truth = {snap.pid: snap.counters[0] for snap in snaps if isinstance(snap, Snapshot)}
         status, body = http_get(port, timeout=2.0)
         served = _tx_bytes(body.decode()) if status == 200 else {}
         exact = bool(truth) and served == truth
@@ -144,7 +180,7 @@ def section(results: Results) -> list[str]:
     lines = ["**Who serves when the owner is gone** (SIGKILL of the serving rank, five successive owners per job of "
              f"{SUCCESSIVE_OWNERS + 1} ranks; until /metrics answers from another process)", "",
              "| ranks | helper | thread |", "| --- | --- | --- |"]
-    for kind in KINDS:
+    for kind in ROWS:
         cells = [_ms(out.get("takeover", {}).get(mode, {}).get(kind, [])) for mode in SERVE_MODES]
         lines.append(f"| {kind} | {' | '.join(cells)} |")
     cpu = out.get("cpu", {})
@@ -169,6 +205,11 @@ def targets(results: Results) -> list[list[str]]:
             median = statistics.median(idle)
             rows.append([f"owner SIGKILLed, every rank idle ({mode}): served again", f"{median * 1e3:.0f} ms median",
                          f"<= {TARGET_S * 1e3:.0f} ms (goal {GOAL_S * 1e3:.0f})", _met(median <= TARGET_S)])
+        cpp = takeover.get(mode, {}).get("idle, C++ owner", [])
+        if cpp:
+            median = statistics.median(cpp)
+            rows.append([f"C++ owner SIGKILLed, idle Python standbys ({mode})", f"{median * 1e3:.0f} ms median",
+                         f"<= {TARGET_S * 1e3:.0f} ms", _met(median <= TARGET_S)])
         recording = takeover.get(mode, {}).get("recording", [])
         if recording:
             median = statistics.median(recording)

@@ -24,6 +24,7 @@ from support import (  # noqa: F401  (pytest fixtures)
     try_scrape,
     wait_until,
 )
+from support_nixl import nixl_required_fixture, start_cpp_ranks, wait_for_owner  # noqa: F401  (pytest fixture)
 
 from store import EventType
 
@@ -56,6 +57,18 @@ def test_idle_standbys_take_over_from_each_killed_owner_without_recording(tmp_di
         ranks.pop(owner).kill()
         owner = wait_for_new_owner(port, ranks, owner)
         assert ranks[owner].serving()
+
+
+@pytest.mark.usefixtures("serve_mode", "nixl_required")
+def test_idle_python_standbys_take_over_from_a_killed_cpp_owner(tmp_dir: Path, reaper: Reaper) -> None:
+    """NIXL's C++ plug-in re-elects only as it exports; a Python standby waits in the kernel, even for it."""
+    port = free_port()
+    (cpp,) = start_cpp_ranks(reaper, tmp_dir, port, ["cpp-owner"])
+    wait_for_owner(port, cpp.pid)
+    standbys = {r.pid: r for r in (start_exporter_rank(reaper, tmp_dir, port, agent=f"py{i}") for i in range(2))}
+    assert not any(r.serving_at_start for r in standbys.values())
+    cpp.kill()
+    assert wait_for_new_owner(port, standbys, cpp.pid) in standbys
 
 
 @pytest.mark.usefixtures("serve_mode")
