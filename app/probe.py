@@ -36,21 +36,29 @@ class HealthzAnswer:
         return owner if isinstance(owner, dict) else None
 
 
-def get_healthz(host: str, port: int, timeout_s: float = 1.0) -> HealthzAnswer:
-    """``GET http://HOST:PORT/healthz``, straight to the address.
+def http_get(host: str, port: int, path: str, timeout_s: float = 1.0) -> tuple[int | None, bytes]:
+    """``GET http://HOST:PORT/PATH``, straight to the address: (status, body), status None when nothing
+    answered over HTTP (refused, timed out, not HTTP).
 
     With http.client, which never consults http_proxy/no_proxy: the address is on this host, and a proxy
     from the environment (many corporate shells set one) would not reach it, or would answer for it.
     """
     connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
-        connection.request("GET", "/healthz")
+        connection.request("GET", path)
         response = connection.getresponse()
-        status, body = response.status, response.read()
+        return response.status, response.read()
     except (OSError, http.client.HTTPException):
-        return HealthzAnswer(None, None)
+        return None, b""
     finally:
         connection.close()
+
+
+def get_healthz(host: str, port: int, timeout_s: float = 1.0) -> HealthzAnswer:
+    """``GET http://HOST:PORT/healthz`` (see http_get)."""
+    status, body = http_get(host, port, "/healthz", timeout_s)
+    if status is None:
+        return HealthzAnswer(None, None)
     try:
         doc = json.loads(body)
     except ValueError:

@@ -19,13 +19,14 @@ from pathlib import Path
 from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, error_count
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
-from app.probe import die_with_parent, exit_words, get_healthz, port_holders
+from app.probe import die_with_parent, exit_words, get_healthz, http_get, port_holders
 from store import EventType
 
 RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
 DEMO_PORT = 9111  # not 9090, which a Prometheus on the same host listens on by default
 OWNER_WAIT_S = 20.0  # for the first demo rank to serve: imports on a loaded host take seconds
 RANK_STOP_S = 10.0  # for the ranks to close their stores after SIGTERM, before SIGKILL
+LAST_VALUES_WAIT_S = 2.0  # for the last helper to leave once the demo took the last values
 # A rank ended by one of these crashed by itself; any other signal was sent to it (kill, the OOM killer).
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
                            signal.SIGSYS})
@@ -221,8 +222,20 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
         return 0
     finally:
         _stop_ranks(procs)
+        _collect_last_values(args.port)
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)  # only the directory this demo created
+
+
+def _collect_last_values(port: int) -> None:
+    """The job is over: the last serving rank's helper serves the ranks' last values until they are scraped
+    once (app.rank.linger).  The demo is the scraper here: it takes them, so that the helper leaves now, before
+    the directory goes, rather than after the TTL."""
+    if http_get("127.0.0.1", port, "/metrics")[0] is None:
+        return  # nothing serves (thread mode, or already gone)
+    deadline = time.monotonic() + LAST_VALUES_WAIT_S
+    while http_get("127.0.0.1", port, "/healthz", timeout_s=0.2)[0] is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def build_rank_parser() -> argparse.ArgumentParser:

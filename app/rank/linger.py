@@ -16,6 +16,7 @@ every rank at once still leaves their values served (judged by /proc where the w
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -59,12 +60,20 @@ def _key(view: RankView) -> tuple[str, int]:
     return view.snapshot.name, view.snapshot.last_update_ns
 
 
+class _Onlooker(Collector):
+    """A collector that changes nothing and says nothing: a directory that cannot be listed (the job's own,
+    removed once it ended) only ends the lingering, which the helper's log says."""
+
+    def scan_failed(self, exc: OSError, result: Collection) -> None:
+        result.scan_error = f"cannot list {self.directory}: {os.strerror(exc.errno or 0)}"
+
+
 class Linger:
     """What a helper serves on for once its rank is gone: the departed stores not yet served since."""
 
     def __init__(self, directory: Path, stale_ttl_s: float, standby_waits: Callable[[], bool]) -> None:
         # An onlooker's collector: the serving app's own collector reaps, as on any scrape.
-        self._collector = Collector(directory, stale_ttl_s, reap=False)
+        self._collector = _Onlooker(directory, stale_ttl_s, reap=False)
         self._ttl_s = stale_ttl_s
         self._standby_waits = standby_waits  # whether a standby is blocked on the lock we hold
         self._served: set[tuple[str, int]] = set()
