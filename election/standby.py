@@ -18,8 +18,10 @@ Two properties make a waiter safe in someone else's process:
   descriptor with ``/dev/null`` instead, with one atomic ``dup2``: the blocked call then holds the last
   reference to the lock file, and whatever it wins the kernel releases as the call returns, before any
   Python code runs.  The thread, which alone ever closes that number (so it is never reused under it),
-  ends as soon as the call returns.  Until then a detached waiter is one parked thread and one descriptor
-  of ``/dev/null``: it holds nothing, takes nothing and does nothing.
+  ends as soon as the call returns, unless someone stood by again meanwhile (attach()): then the same thread
+  waits anew.  Until the call returns, a detached waiter is one parked thread and one descriptor of
+  ``/dev/null``: it holds nothing, takes nothing and does nothing; and a process never has more than one
+  waiter per lock file, however often its Exporters come and go.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class LockWaiter:
         self._backoff_s = backoff_s
         self._fd: int | None = None  # ours while recorded here; the thread alone closes it
         self._detached = threading.Event()
+        self._ended = False  # the thread has returned, or is about to: attach() cannot revive it
         self.problem: str | None = None  # why the lock file could not be opened (the thread then ended)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -92,8 +95,18 @@ class LockWaiter:
             fd, self._fd = self._fd, None
         return fd
 
+    def attach(self) -> bool:
+        """Wait for the lock again after a detach() (someone stands by anew): the parked thread is reused, so a
+        process has one waiter per lock file however often its Exporters come and go.  False once the thread
+        has ended (start a new waiter)."""
+        with _guard.lock:
+            if self._ended:
+                return False
+            self._detached.clear()
+            return True
+
     def detach(self) -> None:
-        """Never act again; from any thread or a signal handler, bounded.  See the module's doc."""
+        """Act no more (until attach()); from any thread or a signal handler, bounded.  See the module's doc."""
         self._detached.set()
         if not _guard.lock.acquire(timeout=_LOCK_WAIT_S):
             return  # the thread is between an open and its record: it sees the flag right after
@@ -108,24 +121,34 @@ class LockWaiter:
             _guard.lock.release()
 
     def _run(self) -> None:
-        while not self._detached.is_set():
-            try:
-                with _guard.lock:
+        try:
+            self._wait_and_offer()
+        finally:
+            self._close()
+
+    def _wait_and_offer(self) -> None:
+        while True:
+            with _guard.lock:
+                if self._detached.is_set():
+                    self._ended = True  # decided under the lock attach() takes: it either revives us or sees this
+                    return
+                try:
                     self._fd = open_lock_file(self.path)
-            except OSError as exc:
-                # Unusable (or out of descriptors): the export path's election covers that case and says why.
-                self.problem = os.strerror(exc.errno) if exc.errno in SCARCE else str(exc)
-                return
+                except OSError as exc:
+                    # Unusable (or out of descriptors): the export path's election covers that case, and says why.
+                    self.problem = os.strerror(exc.errno) if exc.errno in SCARCE else str(exc)
+                    self._ended = True
+                    return
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocks, without the GIL, until the holder is gone
             except OSError as exc:  # ENOLCK and the like: nothing to wait on here
                 self.problem = str(exc)
-                self._close()
+                self._end()
                 return
-            if self._detached.is_set():
-                break
-            if not self._still_the_lock_file():
-                self._close()  # the directory was replaced: wait on the file that is there now
+            if self._detached.is_set() or not self._still_the_lock_file():
+                # Detached: what the call won, the kernel released as it returned (see detach); reattached since,
+                # or the directory replaced: wait again, on the file that is there now.
+                self._close()
                 continue
             try:
                 self._on_won(self)
@@ -133,10 +156,14 @@ class LockWaiter:
                 log.warning("taking over %s after its holder left failed; waiting for the lock again",
                             self.path.name, exc_info=True)
             if self._fd is None:
-                return  # handed over: the taker serves, and starts a new waiter if it concedes later
+                self._end()
+                return  # handed over: the taker serves, and stands by anew if it concedes later
             self._close()  # conceded: released, then a pause before contending again
             self._detached.wait(self._backoff_s)
-        self._close()
+
+    def _end(self) -> None:
+        with _guard.lock:
+            self._ended = True
 
     def _still_the_lock_file(self) -> bool:
         assert self._fd is not None

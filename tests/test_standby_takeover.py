@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import pytest
 from support import (  # noqa: F401  (pytest fixtures)
     ExporterRank,
     Reaper,
+    exporter_env,
     free_port,
     healthz,
+    make_exporter_fixture,
     parse_exposition,
     proc_cpu_s,
     reaper_fixture,
@@ -179,3 +182,20 @@ def test_a_lingering_helper_ends_once_each_departed_store_was_served(tmp_dir: Pa
     _assert_final_values_served(port, [rank])
     wait_until(lambda: _zombie(helper_pid), timeout=TAKEOVER_BOUND_S)
     assert try_scrape(port, timeout=1.0) is None  # the address is free again
+
+
+@pytest.mark.usefixtures("serve_mode")
+def test_exporters_that_come_and_go_keep_one_standby_thread(tmp_dir: Path, reaper: Reaper, make_exporter) -> None:
+    """A blocked flock cannot be woken, so a closed Exporter's standby parks; the next one reuses it."""
+    port = free_port()
+    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
+    wait_until(lambda: owner_pid(port) == owner.pid, timeout=TAKEOVER_BOUND_S)
+    for i in range(20):
+        exporter = make_exporter(f"short-lived-{i}", exporter_env(tmp_dir, port))
+        assert not exporter.serving
+        exporter.close()
+    standbys = [t for t in threading.enumerate() if t.name.startswith("nixl-standby-")]
+    assert len(standbys) <= 1, [t.name for t in standbys]
+    last = make_exporter("last", exporter_env(tmp_dir, port))
+    owner.kill()
+    wait_until(lambda: last.serving, timeout=TAKEOVER_BOUND_S)  # the reused thread still takes over

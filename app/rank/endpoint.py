@@ -45,8 +45,6 @@ _CALLBACK_WAIT_S = 0.05  # the supervisor's callbacks retry the endpoint's lock 
 # descriptors close one by one as it exits (the lock's can go before the listener's).  It retries the bind
 # at this pace for this long before it concludes that something outside the run holds the port.
 _BUSY_PORT_RETRY_S, _BUSY_PORT_WINDOW_S = 0.005, 0.5
-# close() waits this long for a helper that is starting to be ready, to leave the address to it (see close).
-HAND_OFF_WAIT_S = 2.0
 
 
 _endpoints: weakref.WeakSet[ScrapeEndpoint] = weakref.WeakSet()
@@ -136,10 +134,11 @@ class ScrapeEndpoint:
                 return TakeOver(Claim.SHORT, reason=shortage)
             standby.stand_by(self)  # the export path keeps re-electing too: for what no waiter covers
             return TakeOver(Claim.LOST)
-        standby.stand_down(self)
         outcome = self._serve(lambda: True, busy_port_window_s=0.0)
         if outcome.claim in (Claim.SHORT, Claim.UNBOUND):
             self.election.release()  # give it back at once, so that any other rank can take it meanwhile
+        else:
+            standby.stand_down(self)  # serving (or closed): a standby that failed to serve stays one
         return outcome
 
     def take_over_from(self, waiter: LockWaiter) -> bool:
@@ -326,9 +325,9 @@ class ScrapeEndpoint:
         bind the port we still hold, then back off for seconds.  Safe from a
         signal handler and from atexit at any moment (see the class doc).
 
-        ``hand_off``: if a serving helper runs (or is ready within HAND_OFF_WAIT_S), leave the address to it
-        instead: it serves the departed stores, this rank's among them, until each was served once or no
-        rank is left to take the address over (app.rank.linger), and the port and the election go with it.
+        ``hand_off``: if a serving helper is ready (close() never waits for one that is starting), leave the
+        address to it instead: it serves the departed stores, this rank's among them, until each was served
+        once, or goes at once to a live rank (app.rank.linger); the port and the election go with it.
         """
         self._closed = True  # first: an interrupted claim sees it when it resumes
         standby.stand_down(self)
@@ -350,7 +349,7 @@ class ScrapeEndpoint:
         self.serving_since = self.replaced_at = None
         handed_off = False
         if supervisor is not None:
-            handed_off = hand_off and self.election.descriptor is not None and supervisor.leave(HAND_OFF_WAIT_S)
+            handed_off = hand_off and self.election.descriptor is not None and supervisor.leave(0.0)
             if not handed_off:
                 supervisor.stop()
         for thread_server in [*retired, *([server] if server is not None else [])]:

@@ -10,6 +10,7 @@ code (the Exporter, the endpoint, the supervisor): only the serving core and app
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     listener = socket.socket(fileno=args.listener_fd)
     channel = socket.socket(fileno=args.channel_fd)
     server, thread, linger = _serve(args, listener)
-    channel.sendall(READY)
+    with contextlib.suppress(OSError):  # EPIPE: the rank is gone already (it exited as we started): see below
+        channel.sendall(READY)
     poller = select.poll()
     poller.register(rank, select.POLLIN)
     poller.register(channel.fileno(), select.POLLIN)  # LEAVE, or EOF: the rank's end is closed, it is gone too

@@ -31,7 +31,7 @@ POLL_S = 0.05  # how soon a lingering helper sees a new writer (and its standby 
 # A live writer is looked at twice, this far apart, before the address goes to it: ranks killed together die
 # one by one, and the first look can come before the last kill.
 CONFIRM_S = 0.02
-YIELD_AFTER_S = 1.0  # how long a live writer that does not stand by (see Linger.run) waits for the address
+YIELD_AFTER_S = 0.1  # how long a live writer that does not stand by (see Linger.run) waits for the address
 _PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
@@ -107,9 +107,10 @@ class Linger:
             live = [view for view in collection.live if view not in going]
             now = time.monotonic()
             if live:
-                # A standby blocked on our lock takes the address over the moment we go: go now.  A live writer
-                # that does not wait for it (a C++ rank, which re-elects as it records; a rank closing) is
-                # given YIELD_AFTER_S, so that ranks all closing together do not each hand the address on.
+                # A standby blocked on our lock takes the address over the moment we go: go now (a second look
+                # first).  A live writer that does not wait for it (a C++ rank, which re-elects as it records;
+                # a rank closing) is given YIELD_AFTER_S, so that ranks closing together do not each hand the
+                # address on to the next one to close.
                 live_since = now if live_since is None else live_since
                 if self._standby_waits() and now - live_since >= CONFIRM_S:
                     return f"a standby waits for the address ({live[0].snapshot.name} is live)"

@@ -56,8 +56,8 @@ def stand_by(endpoint: Standing) -> None:
             _standing.append(endpoint)
         path = endpoint.lock_path
         waiter = _waiters.get(path)
-        if waiter is not None and waiter.waiting:
-            return
+        if waiter is not None and (waiter.waiting or waiter.attach()):
+            return  # (attach: the thread parked since the last one stood down waits for us instead)
         now = time.monotonic()
         if waiter is not None and waiter.problem is not None:
             _failed_at.setdefault(path, now)  # it could not open the lock file: not again at every export
@@ -85,7 +85,7 @@ def stand_down(endpoint: Standing) -> None:
         _standing[:] = [e for e in _standing if e is not endpoint]
         path = endpoint.lock_path
         if not any(e.lock_path == path for e in _standing):
-            waiter = _waiters.pop(path, None)
+            waiter = _waiters.get(path)  # kept: the next to stand by reuses its thread (attach)
             if waiter is not None:
                 waiter.detach()
     finally:
