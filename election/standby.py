@@ -201,6 +201,7 @@ def holding_off_fork() -> threading.RLock:
     return _guard.lock
 
 
-def standby_waits(fd: int) -> bool:
-    """Whether some process is blocked in flock() for the lock file open as ``fd`` (a standby waiting)."""
-    return any(blocked for blocked, _ in flock_entries(os.fstat(fd)))
+def waiting_pids(fd: int) -> list[int]:
+    """The processes blocked in flock() for the lock file open as ``fd`` (standbys waiting for it), as this
+    process's pid namespace sees them (0 from another)."""
+    return [pid for blocked, pid in flock_entries(os.fstat(fd)) if blocked]

@@ -152,7 +152,8 @@ def cpp_stores(*ranks: CppRank) -> set[tuple[object, object]]:
 @pytest.mark.usefixtures("nixl_required")
 def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reaper: Reaper) -> None:
     """The aggregator pod: C++ and Python ranks write, gunicorn serves; exact values, live/stale per process;
-    killing the aggregator hands the address to a C++ rank, a new aggregator takes it back."""
+    killing the aggregator hands the address to the Python standby, killing that one to a C++ rank, and a new
+    aggregator takes it back."""
     port = free_port()
     with support_e2e.reaper() as group:
         aggregator = start_aggregator(group, tmp_dir, port)
@@ -176,11 +177,16 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
         before = parse_exposition(scrape(port))
         assert_cpp_rank(before, c1.totals)  # a departed rank keeps its last values until the TTL
 
-        # The aggregator goes away; the C++ rank that keeps transferring re-runs its election and serves.
+        # The aggregator goes away: the Python rank, standing by in the kernel, serves at once.  Then it goes
+        # too, and the C++ rank that keeps transferring re-runs its election (as it exports) and serves.
         c0.pump()
         killed = time.monotonic()
         aggregator.killpg(signal.SIGKILL)
         aggregator.popen.wait(DEADLINE_S)
+        python_took_s = wait_for_owner(port, py.pid, since=killed)
+        assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid, py.pid})
+        killed = time.monotonic()
+        py.kill()
         cpp_took_s = wait_for_owner(port, c0.pid, since=killed)
         assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid})
 
@@ -198,8 +204,9 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
         assert_cpp_rank(after, c1.totals)
         assert_python_rank(after, py.pid, "py2")
         doc = healthz(port)
-        assert stores_in(doc["live"]) == {(py.pid, 0)} and stores_in(doc["stale"]) == cpp_stores(c0, c1)
-    print(f"\ntakeover aggregator->C++ {cpp_took_s:.3f} s, C++->aggregator {aggregator_took_s:.3f} s "
+        assert stores_in(doc["live"]) == set() and stores_in(doc["stale"]) == cpp_stores(c0, c1) | {(py.pid, 0)}
+    print(f"\ntakeover aggregator->Python {python_took_s:.3f} s, Python->C++ {cpp_took_s:.3f} s, "
+          f"C++->aggregator {aggregator_took_s:.3f} s "
           f"(C++ agent pair created in {c0.create_s:.3f} s)")
 
 

@@ -127,13 +127,12 @@ def _serve(args: HelperArgs, listener: socket.socket) -> tuple[Any, threading.Th
     from app.server import serve_in_thread
     from app.web import MetricsApp
     from election import OwnerElection
-    from election.standby import standby_waits
+    from election.standby import waiting_pids
 
     election = OwnerElection(args.directory, args.address, problem=args.problem)
     owners = OwnerWatch(args.directory, args.address, logs=False)  # the rank logs it, from its supervisor's watch
     lock_fd = args.lock_fd
-    linger = Linger(args.directory, args.stale_ttl_s,
-                    standby_waits=lambda: lock_fd is not None and standby_waits(lock_fd))
+    linger = Linger(args.directory, args.stale_ttl_s, waiting=lambda: [] if lock_fd is None else waiting_pids(lock_fd))
 
     def owner() -> dict[str, Any]:
         return owner_doc(pid=args.for_pid, agent_name=args.agent_name, address=args.address, mode="in-process",

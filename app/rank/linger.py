@@ -71,11 +71,11 @@ class _Onlooker(Collector):
 class Linger:
     """What a helper serves on for once its rank is gone: the departed stores not yet served since."""
 
-    def __init__(self, directory: Path, stale_ttl_s: float, standby_waits: Callable[[], bool]) -> None:
+    def __init__(self, directory: Path, stale_ttl_s: float, waiting: Callable[[], list[int]]) -> None:
         # An onlooker's collector: the serving app's own collector reaps, as on any scrape.
         self._collector = _Onlooker(directory, stale_ttl_s, reap=False)
         self._ttl_s = stale_ttl_s
-        self._standby_waits = standby_waits  # whether a standby is blocked on the lock we hold
+        self._waiting = waiting  # the pids blocked in flock() on the lock we hold
         self._served: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         self._scraped = threading.Event()
@@ -107,13 +107,15 @@ class Linger:
             live = [view for view in collection.live if view not in going]
             now = time.monotonic()
             if live:
-                # A standby blocked on our lock takes the address over the moment we go: go now (a second look
-                # first).  A live writer that does not wait for it (a C++ rank, which re-elects as it records;
-                # a rank closing) is given YIELD_AFTER_S, so that ranks closing together do not each hand the
-                # address on to the next one to close.
+                # A live rank's standby blocked on our lock takes the address over the moment we go: go now
+                # (after a second look).  Only a live rank's: a rank that closed its Exporter leaves its standby
+                # thread parked in flock() until it wins, and would let the address go.  A live writer that
+                # does not wait (a C++ rank, which re-elects as it records; a rank closing) is given
+                # YIELD_AFTER_S, so that ranks closing together do not each hand the address on to the next.
                 live_since = now if live_since is None else live_since
-                if self._standby_waits() and now - live_since >= CONFIRM_S:
-                    return f"a standby waits for the address ({live[0].snapshot.name} is live)"
+                waiting = set(self._waiting()) & {view.snapshot.pid for view in live}
+                if waiting and now - live_since >= CONFIRM_S:
+                    return f"a standby waits for the address (pid {min(waiting)})"
                 if now - live_since >= YIELD_AFTER_S:
                     return f"{live[0].snapshot.name} is live"
                 self._scraped.wait(CONFIRM_S)
