@@ -138,8 +138,11 @@ def test_performance_page_describes_the_pure_python_ci_run_of_ci_run() -> None:
     assert elsewhere is not None and "${RUN_ELSEWHERE[@]/#/--ignore=}" in args, args
     ignored = set(elsewhere.group(1).split())
     assert all((REPO / path).is_file() for path in ignored), ignored
-    # The suite but whole files left out: no test selected by path, keyword or marker.
-    assert [a for a in args if a != "${RUN_ELSEWHERE[@]/#/--ignore=}"] == ["-q"], args
+    # The suite but whole files left out: no test selected by path, keyword or marker. The parallel workers
+    # (PARALLEL) only distribute the tests, whole files to each.
+    parallel = re.search(r"^PARALLEL=\(([^)]*)\)$", script, re.M)
+    assert parallel is not None and shlex.split(parallel.group(1)) == ["-n", "2", "--dist", "loadfile"], parallel
+    assert [a for a in args if a not in ("${RUN_ELSEWHERE[@]/#/--ignore=}", "${PARALLEL[@]}")] == ["-q"], args
     text = " ".join((REPO / "docs" / "performance.md").read_text().split())
     sentence = text.split("CI (`.ci/run`) runs ", 1)[1].split(". ", 1)[0]
     assert sentence.startswith("the suite once more with `NIXL_PROMETHEUS_MP_PURE_PYTHON=1` but for the"), sentence

@@ -45,6 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 VERSION = metadata.version("nixl-prometheus-mp")  # the checkout's (editable) installation: pyproject.toml's
 PACKAGES = ("app", "store", "election")
 BUILD_TIMEOUT_S = 600  # pip downloads (cached after the first run) on a loaded machine
+# The builds and installs (the session fixtures, counted in the first test that uses them) take 15 to 30 s on an
+# idle machine and over the suite's default 120 s under load: each test gets the builds' own bound.
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT_S)
 
 
 def run(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
