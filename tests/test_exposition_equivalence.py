@@ -13,6 +13,7 @@ from the exact stored integer.  Any other difference, in either format, for any 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,10 +79,16 @@ def snapshot_lists(draw: st.DrawFn) -> list[Snapshot]:
 _SHARED = Renderer()
 
 
-# 300 examples take about 70 s on an idle 2-core machine, over 120 s (the suite's default timeout) when it is
-# shared with other jobs or runs the suite in parallel processes.
-@pytest.mark.timeout(360)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# 300 examples by default. .ci/run's runs on the other Pythons (3.10, 3.12, 3.13) ask for fewer: the renderer is the
+# same C code on each, built by each, and generating the examples (thousands of draws each) is what takes the
+# time, slower on older interpreters. 300 examples take about 70 s on an idle 2-core machine with Python 3.11, over
+# 6 minutes with 3.10 on one loaded by other jobs: the timeout is a bound on a hang, not on the speed.
+EXAMPLES = int(os.environ.get("TEST_EQUIVALENCE_EXAMPLES", "300"))
+
+
+@pytest.mark.timeout(900)
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(snapshot_lists(), st.booleans())
 def test_renderer_equals_prometheus_client(snaps: list[Snapshot], openmetrics: bool) -> None:
     expected = cpp_reference(snaps, openmetrics)

@@ -220,9 +220,20 @@ def test_a_helper_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, 
     helper = wait_for_helper(port, owner_rank.pid)
     owner_rank.events([(0, 7)])
     limits = resource.prlimit(helper, resource.RLIMIT_NOFILE)
-    open_fds = {int(fd) for fd in os.listdir(f"/proc/{helper}/fd")}
-    lowest_free = next(fd for fd in range(len(open_fds) + 1) if fd not in open_fds)
-    resource.prlimit(helper, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # the next descriptor: EMFILE
+
+    def descriptors() -> set[int]:
+        return {int(fd) for fd in os.listdir(f"/proc/{helper}/fd")}
+
+    def limited_to_the_next_descriptor() -> bool:
+        """Lower the limit to the lowest free descriptor, kept only if no descriptor closed meanwhile (a
+        connection of the scrapes above still closing, on a loaded machine, would free a lower one)."""
+        open_fds = descriptors()
+        lowest_free = next(fd for fd in range(len(open_fds) + 1) if fd not in open_fds)
+        resource.prlimit(helper, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # the next descriptor: EMFILE
+        time.sleep(0.2)
+        return descriptors() == open_fds
+
+    wait_until(limited_to_the_next_descriptor, message="the helper's descriptors to settle")
     client = socket.create_connection(("127.0.0.1", port), timeout=15)  # pending: accept() fails meanwhile
     try:
         before, started = cpu_s(helper), time.monotonic()
