@@ -372,8 +372,9 @@ def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> Non
         agg.wait_line(lambda s: "holds the owner election" in s and "[WARNING]" in s, 20)
         assert rank.stop() == 0
         (store,) = directory.glob("nixl.*.mmap")  # the departed rank's, left for the aggregator to reap
-        health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=1), 20,
-                            "the aggregator to serve")
+        http_get(f"http://127.0.0.1:{port}/metrics")  # the rank's helper, on for its last values, leaves once served
+        health = wait_until(lambda: (d := get_json(f"http://127.0.0.1:{port}/healthz", timeout=1))["owner"][
+            "mode"] == "standalone" and d, 20, "the aggregator to serve")
         assert health["owner"]["pid"] == agg.pid
         wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics")[0] == 200 and not store.exists(), 10,
                    lambda: f"{store.name} to be reaped")
