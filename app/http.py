@@ -177,6 +177,9 @@ class PersistentHandler(WSGIRequestHandler):
                 if answer.waiting >= _FLUSH_BYTES:
                     self._send(answer, head_only, final=False)
             self._send(answer, head_only, final=True)
+            if self.close_connection and body.left <= 0:  # (a body still to drain first: after that)
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_WR)  # the client's EOF, right behind the body
         except (ConnectionError, TimeoutError) as exc:
             self.close_connection = True
             self.connection_dropped(exc, environ)
