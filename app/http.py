@@ -13,7 +13,8 @@ WSGIRequestHandler builds the WSGI environ; what is ours is what happens around 
   far as it was declared, and only a body we stopped reading is drained, after the client was told EOF.
 * **One write per answer**: the status line, the headers and the body in one ``sendmsg`` (no copy of the body).
 * **Pooled threads**: a connection is served by an idle thread of the server's when there is one; a few stay
-  idle between connections (SPARE_WORKERS), and every one ends when the server retires or stops.
+  idle between connections (SPARE_WORKERS, for SPARE_IDLE_S), and every one ends when the server retires or
+  stops.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from werkzeug.serving import WSGIRequestHandler
 REQUEST_TIMEOUT_S = 10.0  # from a request's first byte (a new connection's accept) to the end of its answer
 IDLE_S = 90.0  # a persistent connection waits this long for its next request (Prometheus scrapes every 15-60 s)
 MAX_REQUESTS = 1000  # answered on one connection, the last with Connection: close
-SPARE_WORKERS = 2  # pool threads left waiting for the next connection
+SPARE_WORKERS = 2  # pool threads left waiting for the next connection...
+SPARE_IDLE_S = 2.0  # ...for this long at most: an idle process gets back to its own threads
 MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs: past it the connection is closed
 _DRAIN_CHUNK = 64 << 10
 _DRAIN_WAIT_S = 0.01  # a body we stopped reading is drained while more of it arrives within this
@@ -325,10 +327,22 @@ class Connections:
                     if not self.keep_alive or self._spare >= SPARE_WORKERS:
                         return
                     self._spare += 1
-                job = self._jobs.get()
+                job = self._next_job()
         finally:
             with self._lock:
                 self.workers.discard(me)
+
+    def _next_job(self) -> tuple[socket.socket, Any] | None:
+        """A spare's wait for its next connection (None: end); at most SPARE_IDLE_S."""
+        try:
+            return self._jobs.get(timeout=SPARE_IDLE_S)
+        except queue.Empty:
+            with self._lock:  # (dispatch counts a spare out and queues its job under this lock)
+                try:
+                    return self._jobs.get_nowait()
+                except queue.Empty:
+                    self._spare -= 1
+                    return None
 
     def await_request(self, sock: socket.socket) -> bool:
         """A connection waits for its next request: it is cut IDLE_S from now (or sooner, when the server is full);

@@ -223,7 +223,8 @@ def test_the_connection_bound_counts_persistent_connections(served: Served,
         client.close()
 
 
-def test_connections_are_served_by_pooled_threads(served: Served) -> None:
+def test_connections_are_served_by_pooled_threads(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app.http, "SPARE_IDLE_S", 3600)  # (however slowly this test runs)
     for _ in range(10):  # one after the other, each on a new connection
         with served.connect() as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -260,7 +261,9 @@ def test_retiring_closes_idle_connections_and_ends_every_pool_thread(served: Ser
     wait_until(lambda: not served.server.busy(), message="the retired server's threads ended")
 
 
-def test_stop_ends_the_spare_threads(tmp_dir: Path) -> None:
+@pytest.mark.parametrize("ends_by", ["stop", "idle"])
+def test_spare_threads_end_when_idle_or_stopped(tmp_dir: Path, monkeypatch: pytest.MonkeyPatch, ends_by: str) -> None:
+    monkeypatch.setattr(app.http, "SPARE_IDLE_S", 0.2 if ends_by == "idle" else 3600)
     listener = bind_listener("127.0.0.1", 0)
     server, thread = serve_in_thread(listener, MetricsApp(Collector(tmp_dir, 30), lambda: {}), "test-stop")
     port = listener.getsockname()[1]
@@ -269,7 +272,10 @@ def test_stop_ends_the_spare_threads(tmp_dir: Path) -> None:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
             read_to_eof(sock)
     wait_until(lambda: not server.connections.open(), message="the connections closed")
-    assert server.busy()  # a spare thread waits for the next connection
+    if ends_by == "idle":  # the spare threads that waited for a next connection in vain are gone
+        wait_until(lambda: not server.busy(), message="the spare threads ended")
+    else:
+        assert server.busy()  # a spare thread waits for the next connection
     server.stop()
     close_listener(listener)
     assert not server.busy() and not thread.is_alive()
