@@ -1,10 +1,11 @@
 """The HTTP server of an address: werkzeug's threaded server on a socket we bound, made safe for a host.
 
 Used wherever this project serves: a rank's endpoint (from a thread, or from its serving helper process, see
-app.rank.helper), the demo's aggregator and the benchmarks.  What it adds to werkzeug: a bound on connections and on
-how long each may last, accept() backing off while descriptors run out, no traceback on a client's error, no
-log line per scrape, and a registry of every listener this process holds, closed in a forked child (a child
-holding our listener would keep the port bound after we close it).
+app.rank.helper), the demo's aggregator and the benchmarks.  What it adds to werkzeug: the request path of
+app.http (persistent connections, one write per answer, pooled threads), a bound on connections and on how long
+each request may last, accept() backing off while descriptors run out, no traceback on a client's error, no log
+line per scrape, and a registry of every listener this process holds, closed in a forked child (a child holding
+our listener would keep the port bound after we close it).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import threading
 import time
 from typing import Any
 
-from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+from werkzeug.serving import ThreadedWSGIServer
 
+from app.http import REQUEST_TIMEOUT_S, Connections, PersistentHandler
 from election.lock import SCARCE
 from store.forkguard import ForkGuard
 from store.warnonce import OnceWarner
@@ -35,65 +37,25 @@ _warner = OnceWarner(log)
 with contextlib.suppress(Exception):
     importlib.metadata.version("werkzeug")
 
-_POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency
-_REQUEST_TIMEOUT_S = 10.0  # a connection is cut this long after it was accepted, whatever the client does
-MAX_CONNECTIONS = 64  # connections served at once (one thread each); more are refused with a 503
+_POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency, and how late a deadline is enforced
+MAX_CONNECTIONS = 64  # connections open at once (one thread each); more are refused with a 503
 _STOP_JOIN_S = 5.0  # close() waits at most this long for the serving and connection threads to end
 _ACCEPT_BACKOFF_MIN_S, _ACCEPT_BACKOFF_MAX_S = 0.01, 1.0  # accept() pauses while descriptors run out
-_MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs before closing
-_DRAIN_CHUNK = 64 << 10
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 33\r\n"
          b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many concurrent connections\r\n")
 
 
-class _CappedReader:
-    """The request stream, of which at most ``limit`` bytes are ever read, at most one chunk at a time.
-
-    After the response werkzeug drains what the client sent, up to 10 GB in 10 MB reads; neither endpoint
-    reads a body, so a client streaming one must cost neither memory nor its thread's time.
-    """
-
-    def __init__(self, stream: Any, limit: int) -> None:
-        self._stream = stream
-        self._left = limit
-
-    def read(self, size: int | None = -1) -> bytes:
-        if self._left <= 0:
-            return b""
-        want = self._left if size is None or size < 0 else min(size, self._left)
-        data = self._stream.read1(min(want, _DRAIN_CHUNK))
-        self._left -= len(data)
-        return data
-
-    def readline(self, size: int | None = -1) -> bytes:
-        if self._left <= 0:
-            return b""
-        want = self._left if size is None or size < 0 else min(size, self._left)
-        data = self._stream.readline(min(want, _DRAIN_CHUNK))
-        self._left -= len(data)
-        return data
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-class _QuietHandler(WSGIRequestHandler):
+class _QuietHandler(PersistentHandler):
     """One log line per scrape would drown the rank's own logs.
 
     So would one per malformed or timed-out request, which a client controls: those go to DEBUG.
     """
-
-    timeout = _REQUEST_TIMEOUT_S
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         pass
 
     def log(self, type: str, message: str, *args: Any) -> None:
         log.debug("telemetry endpoint, client %s: " + message, self.address_string(), *args)
-
-    def run_wsgi(self) -> None:
-        self.rfile = _CappedReader(self.rfile, _MAX_DRAIN_BYTES)  # type: ignore[assignment]
-        super().run_wsgi()
 
 
 # -- listeners and fork ---------------------------------------------------------------------------------------
@@ -144,18 +106,19 @@ def holding_off_fork() -> threading.RLock:
 class BoundedServer(ThreadedWSGIServer):
     """werkzeug's threaded server with a bound on connections and on how long each may last.
 
-    Every connection costs the rank a thread and a descriptor, so at most MAX_CONNECTIONS are served at once;
-    one more is answered 503 and closed right away by the accepting thread.  A per-read timeout alone would
-    let a client that sends a byte now and then hold its thread for ever, so each connection also gets a
-    deadline, _REQUEST_TIMEOUT_S after it was accepted, past which the serving loop shuts its socket down.
-    Connection threads are ours (named, tracked) so that stop() can join them: nothing of ours serves, and
-    no scrape reaps, once stop() returns.
+    Every connection costs the rank a thread and a descriptor, so at most MAX_CONNECTIONS are open at once; when
+    the server is full the connection idle the longest (waiting for a next request, app.http) is closed for a new
+    one, and failing that the new one is answered 503 and closed right away by the accepting thread.  A
+    per-read timeout alone would let a client that sends a byte now and then hold its thread for ever, so each
+    request also gets a deadline, REQUEST_TIMEOUT_S after its first byte (after the accept, for a connection's
+    first), past which the serving loop shuts its socket down.  Connections are served by a pool of our threads
+    (app.http.Connections), named and tracked so that stop() can join them: nothing of ours serves, and no
+    scrape reaps, once stop() returns.
     """
 
+    connections: Connections
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._connections: dict[socket.socket, float] = {}  # -> deadline (monotonic s)
-        self._workers: set[threading.Thread] = set()
-        self._connections_lock = threading.Lock()
         self._stopping = threading.Event()
         self._retiring = False  # retire(): stop accepting, let the connections finish (a hand-over)
         self._stopped = threading.Event()  # stop() was called
@@ -163,6 +126,8 @@ class BoundedServer(ThreadedWSGIServer):
         self._refusal_logged = False
         self.serve_thread: threading.Thread | None = None
         super().__init__(*args, **kwargs)  # (which already calls server_close once)
+        self.connections = Connections(f"nixl-metrics-{self.server_address[1]}", self.process_request_thread,
+                                       MAX_CONNECTIONS)
 
     def get_request(self) -> tuple[socket.socket, Any]:
         """accept(), backing off while the process or system is out of descriptors (or buffers).
@@ -187,60 +152,35 @@ class BoundedServer(ThreadedWSGIServer):
         return conn
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        worker = threading.Thread(target=self._serve_connection, args=(request, client_address),
-                                  name=f"nixl-metrics-{self.server_address[1]}-conn", daemon=True)
-        with self._connections_lock:
-            full = len(self._connections) >= MAX_CONNECTIONS
-            if not full:
-                self._connections[request] = time.monotonic() + _REQUEST_TIMEOUT_S
-                self._workers.add(worker)
-        if not full:
-            try:
-                worker.start()
+        if self.connections.admit(request):
+            if self.connections.dispatch(request, client_address):
                 return
-            except RuntimeError:  # the process is at its thread limit: refuse this one, keep serving
-                with self._connections_lock:
-                    self._workers.discard(worker)
-                _warner.warn(("thread", self.server_address),
-                             "the telemetry endpoint on %s cannot start a thread for a connection (the process "
-                             "is at its thread limit); connections are answered 503 until threads free up",
-                             _format_address(self.server_address))
+            _warner.warn(("thread", self.server_address),
+                         "the telemetry endpoint on %s cannot start a thread for a connection (the process "
+                         "is at its thread limit); connections are answered 503 until threads free up",
+                         _format_address(self.server_address))
         elif not self._refusal_logged:
             self._refusal_logged = True
             log.warning("the telemetry endpoint has %d connections open; further ones are answered 503 until "
-                        "some finish (each is cut %.0f s after it was accepted)", MAX_CONNECTIONS,
-                        _REQUEST_TIMEOUT_S)
+                        "some finish (each request is cut %.0f s after it began)", MAX_CONNECTIONS,
+                        REQUEST_TIMEOUT_S)
         with contextlib.suppress(OSError):
             request.setblocking(False)
             request.send(_BUSY)
         self.shutdown_request(request)
-
-    def _serve_connection(self, request: Any, client_address: Any) -> None:
-        try:
-            self.process_request_thread(request, client_address)
-        finally:
-            with self._connections_lock:
-                self._workers.discard(threading.current_thread())
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # socketserver prints a traceback to the rank's stderr; a client's misbehaviour is not the rank's news.
         log.debug("telemetry endpoint: error serving %s", client_address, exc_info=True)
 
     def shutdown_request(self, request: Any) -> None:
-        # Under the lock: service_actions must never shut down a descriptor that was closed (and reused).
-        with self._connections_lock:
-            self._connections.pop(request, None)
-            super().shutdown_request(request)
+        # Under the connections' lock: nothing must ever shut down a descriptor that was closed (and reused).
+        self.connections.forget(request, super().shutdown_request)
 
     def service_actions(self) -> None:
         """Called by serve_forever at every poll: cut the connections past their deadline."""
         super().service_actions()
-        now = time.monotonic()
-        with self._connections_lock:
-            for sock, deadline in self._connections.items():
-                if now > deadline:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
+        self.connections.cut_overdue()
 
     def server_close(self) -> None:
         """Close the listener and cut every open connection: nothing serves after close().
@@ -248,12 +188,9 @@ class BoundedServer(ThreadedWSGIServer):
         (werkzeug's serve_forever calls this as it returns: after retire(), the connections are left to finish.)
         """
         close_listener(self.socket)
-        if self._retiring:
+        if self._retiring or getattr(self, "connections", None) is None:
             return
-        with self._connections_lock:
-            for sock in self._connections:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+        self.connections.cut_all()
 
     def retire(self) -> None:
         """Stop accepting and close our duplicate of the listener, but let the open connections finish.
@@ -267,6 +204,7 @@ class BoundedServer(ThreadedWSGIServer):
         if self.serve_thread is not None and self.serve_thread.is_alive():
             self.shutdown()
         close_listener(self.socket)
+        self.connections.close_all(idle_only=True)  # those waiting for a next request go; the others finish theirs
         # The serving loop also cut connections past their deadline (a client trickling a byte now and then
         # would hold its thread for ever): a thread of its own keeps doing that until the last one is done.
         drain = threading.Thread(target=self._cut_overdue_until_idle, name=f"{self.serve_thread.name}-drain"
@@ -280,9 +218,8 @@ class BoundedServer(ThreadedWSGIServer):
             self.service_actions()
 
     def busy(self) -> bool:
-        """Whether a connection thread of this server still runs."""
-        with self._connections_lock:
-            return any(worker.is_alive() for worker in self._workers)
+        """Whether a connection thread of this server still runs (after retire(): a connection is still open)."""
+        return self.connections.busy()
 
     def stop(self, timeout_s: float = _STOP_JOIN_S) -> None:
         """Stop the serving loop, close the listener, cut the connections and join their threads (bounded).
@@ -293,6 +230,7 @@ class BoundedServer(ThreadedWSGIServer):
         self._stopping.set()
         self._stopped.set()
         self._retiring = False  # (a retired server's connections are cut now too)
+        self.connections.close_all()
         me = threading.current_thread()
         if me is self.serve_thread:
             self._BaseServer__shutdown_request = True  # serve_forever's own flag: shutdown() would wait for us
@@ -300,8 +238,7 @@ class BoundedServer(ThreadedWSGIServer):
             self.shutdown()
         self.server_close()
         deadline = time.monotonic() + timeout_s
-        with self._connections_lock:
-            threads = [self.serve_thread, *self._workers]
+        threads = [self.serve_thread, *self.connections.threads()]
         for thread in threads:
             if thread is not None and thread is not me:
                 thread.join(max(0.0, deadline - time.monotonic()))

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import platform
+import select
 import socket
 import statistics
 import subprocess
@@ -127,6 +128,97 @@ def timed_get(port: int, headers: Mapping[str, str] | None = None) -> tuple[floa
     if status != 200:
         raise RuntimeError(f"GET /metrics on port {port} answered {status}")
     return elapsed, body
+
+
+class Persistent:
+    """One client connection kept across GETs, as Prometheus keeps one per target: http.client opens a new one
+    only when the server closed the last (the time of that reconnection is then part of the scrape's)."""
+
+    def __init__(self, port: int, timeout: float = 120.0) -> None:
+        self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.connections = 0  # opened so far
+
+    def get(self, headers: Mapping[str, str] | None = None, path: str = "/metrics") -> tuple[float, bytes]:
+        """Seconds for one GET (a new connection's connect included, where one was needed), and the body."""
+        start = time.perf_counter()
+        # As Go's client (Prometheus's) does: a connection the server closed is not reused, and a request that
+        # finds it closed before any answer is sent again on a new one.
+        if self._conn.sock is not None and _closed_by_peer(self._conn.sock):
+            self._conn.close()
+        reused = self._conn.sock is not None
+        try:
+            response = self._request(path, headers)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if not reused:
+                raise
+            self._conn.close()
+            response = self._request(path, headers)
+        body = response.read()
+        elapsed = time.perf_counter() - start
+        if response.status != 200:
+            raise RuntimeError(f"GET {path} answered {response.status}")
+        return elapsed, body
+
+    def _request(self, path: str, headers: Mapping[str, str] | None) -> http.client.HTTPResponse:
+        if self._conn.sock is None:
+            self.connections += 1
+        self._conn.request("GET", path, headers=dict(headers or {}))
+        return self._conn.getresponse()
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server has closed a connection that waits between two requests (it then reads as EOF)."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def answered_on_one_connection(port: int, requests: int, headers: Mapping[str, str] | None = None) -> int:
+    """How many of ``requests`` GETs, sent one after the other on a persistent client, the first connection
+    answered before the server closed it."""
+    client = Persistent(port)
+    try:
+        for sent in range(requests):
+            client.get(headers)
+            if client.connections > 1:
+                return sent
+        return requests
+    finally:
+        client.close()
+
+
+def eof_after_body(port: int, timeout: float = 120.0) -> float:
+    """Seconds from the last byte of an answer's body (GET /metrics, Connection: close) to the server's EOF, as
+    the client sees them; NaN for an answer without Content-Length (its end is the EOF)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise RuntimeError(f"port {port} closed before its answer's headers")
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lengths = [line.split(b":", 1)[1] for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")]
+        if not lengths:
+            return float("nan")
+        left = int(lengths[0]) - len(body)
+        while left > 0:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                raise RuntimeError(f"port {port} closed before the end of its answer's body")
+            left -= len(chunk)
+        body_done = time.perf_counter()
+        while sock.recv(1 << 16):
+            pass
+        return time.perf_counter() - body_done
 
 
 def decoded(body: bytes) -> bytes:

@@ -22,8 +22,11 @@ from typing import Any, TypeVar
 from app.config import SERVE_ENV, SERVE_MODES
 from bench.common import (
     PROMETHEUS_HEADERS,
+    Persistent,
     Worker,
+    answered_on_one_connection,
     decoded,
+    eof_after_body,
     filesystem_of,
     free_port,
     http_get,
@@ -484,47 +487,76 @@ def _plugin_env(directory: Path, port: int) -> dict[str, str]:
             "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "NIXL_LOG_LEVEL": "WARN"}
 
 
-def plugin(settings: Settings, results: Results) -> None:
-    """Ours vs the C++ plug-in's endpoint (prometheus-cpp) over the same live stores, interleaved.
+PLUGIN_SIDES = {"helper": "ours", "thread": "thread"}  # serving mode -> its key in results.plugin ("cpp": the plug-in)
+ONE_CONNECTION_REQUESTS = 20  # GETs sent on one persistent connection, to count those it answers
 
-    One directory per size: ``count - 1`` live stores written by our StoreWriter (one process holds
-    them all, locked) plus the store of the C++ agent that wins the election and serves with
-    prometheus-cpp; our MetricsApp (the in-process endpoint's server) serves the same directory on
-    another port.  Each is scraped as Prometheus scrapes (its Accept header, gzip) and plainly.
+
+def plugin(settings: Settings, results: Results) -> None:
+    """Ours, in each serving mode, vs the C++ plug-in's endpoint (prometheus-cpp) over the same live stores,
+    interleaved.
+
+    One directory per size: the store of the C++ agent that wins the election for its port and serves with
+    prometheus-cpp, one rank of ours per serving mode (an idle Exporter, elected for a port of its own, serving
+    from its helper or its thread), and live stores written by our StoreWriter (one process holds them all,
+    locked) to make up ``count``.  Each server is scraped as Prometheus scrapes (its Accept header, gzip) on a
+    fresh connection and on a persistent one, and plainly on a fresh one; then, once, how many of 20 GETs one
+    persistent connection answers, and how long after an answer's body (Connection: close) the server closes.
     """
     if importlib.util.find_spec("nixl_cu12") is None:
         results.plugin_missing = f"not installed (pip install --no-deps {PLUGIN_WHEEL} numpy)"
         log(f"plugin: {results.plugin_missing}")
         return
     for count in settings.ranks:
-        with _tempdir(settings, f"plugin-{count}") as directory:
-            log(f"plugin {count} ranks: filling the directory, starting both owners")
-            cpp_port = free_port()
-            with Worker("fill-ours", None, str(count - 1), str(directory)), \
-                    Worker("plugin-owner", _plugin_env(directory, cpp_port)), \
-                    Worker("serve-ours", None, str(directory)) as ours:
-                results.plugin[count] = _plugin_one(settings, count, ours.hello["port"], cpp_port)
+        with _tempdir(settings, f"plugin-{count}") as directory, contextlib.ExitStack() as stack:
+            log(f"plugin {count} ranks: filling the directory, starting the plug-in and our owners")
+            ports = {"cpp": free_port()}
+            stack.enter_context(Worker("fill-ours", None, str(max(0, count - 1 - len(SERVE_MODES))), str(directory)))
+            stack.enter_context(Worker("plugin-owner", _plugin_env(directory, ports["cpp"])))
+            for mode in SERVE_MODES:
+                port = free_port()
+                owner = stack.enter_context(Worker("busy-owner", _ours_env(directory, port, mode)))
+                if not owner.hello["serving"]:
+                    raise RuntimeError(f"our {mode} owner did not win the election of its port")
+                if mode == "helper":
+                    _await_helper(results, owner, port)
+                ports[PLUGIN_SIDES[mode]] = port
+            results.plugin[count] = _plugin_one(settings, count, ports)
 
 
-def _plugin_one(settings: Settings, count: int, ours_port: int, cpp_port: int) -> dict[str, Any]:
-    if _wait_serving(cpp_port, 30, timeout_s=10) is None:  # a scrape of 1024 ranks takes a while
+def _plugin_one(settings: Settings, count: int, ports: dict[str, int]) -> dict[str, Any]:
+    if _wait_serving(ports["cpp"], 30, timeout_s=10) is None:  # a scrape of 1024 ranks takes a while
         raise RuntimeError("the C++ plug-in never served its port")
-    entry: dict[str, Any] = {"prom_ours": [], "prom_cpp": [], "plain_ours": [], "plain_cpp": []}
-    for side, port in (("ours", ours_port), ("cpp", cpp_port)):
+    entry: dict[str, Any] = {f"{kind}_{side}": [] for side in ports for kind in ("prom", "plain", "kept", "eof")}
+    clients = {side: Persistent(port) for side, port in ports.items()}
+    for side, port in ports.items():
         _, wire = timed_get(port, PROMETHEUS_HEADERS)  # warm-up, and the sizes
         _, plain = timed_get(port)
+        clients[side].get(PROMETHEUS_HEADERS)
         entry[f"wire_{side}"], entry[f"bytes_{side}"] = len(wire), len(plain)
         entry[f"gzip_{side}"] = wire[:2] == b"\x1f\x8b"
         entry[f"samples_{side}"] = sample_lines(decoded(wire))
     repeats = settings.plugin_repeats if count <= 256 else max(3, settings.plugin_repeats // 2)
     for rep in range(repeats):
-        plan = [("prom_ours", ours_port, PROMETHEUS_HEADERS), ("prom_cpp", cpp_port, PROMETHEUS_HEADERS),
-                ("plain_ours", ours_port, None), ("plain_cpp", cpp_port, None)]
-        for key, port, headers in plan if rep % 2 == 0 else plan[::-1]:
-            entry[key].append(timed_get(port, headers)[0])
+        plan = [(kind, side) for side in ports for kind in ("prom", "kept", "plain", "eof")]
+        for kind, side in plan if rep % 2 == 0 else plan[::-1]:
+            entry[f"{kind}_{side}"].append(_plugin_measure(kind, ports[side], clients[side]))
+    for side, port in ports.items():
+        clients[side].close()
+        entry[f"one_connection_{side}"] = answered_on_one_connection(port, ONE_CONNECTION_REQUESTS,
+                                                                     PROMETHEUS_HEADERS)
     log(f"plugin {count} ranks: {repeats} interleaved scrapes of each kind "
         f"(wire bytes ours {entry['wire_ours']:,}, plug-in {entry['wire_cpp']:,})")
     return entry
+
+
+def _plugin_measure(kind: str, port: int, client: Persistent) -> float:
+    if kind == "prom":
+        return timed_get(port, PROMETHEUS_HEADERS)[0]
+    if kind == "kept":
+        return client.get(PROMETHEUS_HEADERS)[0]
+    if kind == "plain":
+        return timed_get(port)[0]
+    return eof_after_body(port)
 
 
 def busy(settings: Settings, results: Results) -> None:

@@ -88,7 +88,7 @@ def plugin_rows(*args: str) -> tuple[dict[str, list[str]], str]:
     return rows, done.stdout
 
 
-PLUGIN_ROW = "scrape of {} ranks >= 1.5x faster than the C++ plug-in (as Prometheus scrapes)"
+PLUGIN_ROW = "scrape of {} ranks >= 1.5x faster than the C++ plug-in (Prometheus's GET, a fresh connection each)"
 
 
 def test_quick_run_says_what_it_measured_and_that_the_full_run_judges() -> None:
@@ -106,3 +106,47 @@ def test_full_run_judges_every_size_without_the_quick_runs_words() -> None:
     assert {size: rows[PLUGIN_ROW.format(size)] for size in (8, 64, 256, 1024)} == \
         {size: ["0.7x", "NOT met"] for size in (8, 64, 256, 1024)}
     assert "quick run" not in text.lower()
+
+
+# Both serving modes and the persistent-connection figures: the helper's scrape 2x the plug-in's speed on a fresh
+# connection and on a persistent one, the thread's 1.2x; the helper closes 0.2 ms after the body, the thread 3 ms;
+# both answer 20 GETs on one connection, the plug-in 1.
+MODES_SCRIPT = """
+import sys
+import bench.__main__ as bench_main
+from bench import scenarios
+
+def plugin(settings, results):
+    for count in settings.ranks:
+        e = {}
+        for side, ms, eof, kept in (("ours", 1.0, 0.2, 20), ("thread", 2 / 1.2, 3.0, 20), ("cpp", 2.0, 0.01, 1)):
+            e.update({f"prom_{side}": [ms / 1e3], f"kept_{side}": [ms / 1e3], f"plain_{side}": [ms / 1e3],
+                      f"eof_{side}": [eof / 1e3], f"one_connection_{side}": kept, f"wire_{side}": 10,
+                      f"bytes_{side}": 100, f"gzip_{side}": side != "cpp", f"samples_{side}": count})
+        results.plugin[count] = e
+
+scenarios.plugin = plugin
+sys.exit(bench_main.main(sys.argv[1:]))
+"""
+
+
+def test_the_plugin_rows_judge_each_serving_mode_and_the_connections() -> None:
+    done = subprocess.run([sys.executable, "-c", MODES_SCRIPT, "--scenarios", "plugin", "--ranks", "8"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in done.stdout.splitlines() if line.startswith("| "))}
+    assert rows[PLUGIN_ROW.format(8)] == ["helper 2.00x; thread 1.20x", "met (thread mode: not met)"]
+    persistent = "scrape of 8 ranks >= 1.5x faster than the C++ plug-in (Prometheus's GET, one persistent " \
+                 "connection per server)"
+    assert rows[persistent] == ["helper 2.00x; thread 1.20x", "met (thread mode: not met)"]
+    assert rows["the server closes <= 1 ms after the body (Connection: close; median, worst size)"] == [
+        "helper 0.200 ms; thread 3.00 ms (plug-in 0.010 ms)", "met (thread mode: not met)"]
+    assert rows["20 of 20 GETs answered on one persistent connection (fewest, over the sizes)"] == [
+        "helper 20; thread 20 (plug-in 1)", "met (thread mode: met)"]
+    # The servers' own rows: each server's figures, and the plug-in's ratio to it.
+    assert "| 8 | ours: helper (its own process) | 1.00 | 2.0x | 1.00 | 2.0x | 1.00 | 2.0x | 10 | 100 | 8 |" in \
+        done.stdout
+    assert "| 8 | C++ plug-in | 2.00 | - | 2.00 | - | 2.00 | - | 10 (no gzip) | 100 | 8 |" in done.stdout
+    assert "| 8 | ours: thread (in the rank) | 20 of 20 | 3.00 |" in done.stdout
+    assert "| 8 | C++ plug-in | 1 of 20 | 0.010 |" in done.stdout

@@ -39,11 +39,16 @@ class Server:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
 
     def raw(self, data: bytes, timeout: float = 10) -> bytes:
-        """Send raw bytes, read until the server closes; what it answered (b"" if it reset)."""
+        """Send raw bytes and nothing more, read until the server closes; what it answered (b"" if it reset).
+
+        (Nothing more: the client shuts its side down, so that a server keeping the connection for a next request
+        closes it once it has answered this one.)
+        """
         with self.connect() as sock:
             sock.settimeout(timeout)
             with contextlib.suppress(OSError):
                 sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)
             chunks = []
             with contextlib.suppress(ConnectionResetError, BrokenPipeError):
                 while chunk := sock.recv(65536):

@@ -1,0 +1,420 @@
+"""The request path of our HTTP server (app.server): persistent connections, one write per response, pooled threads.
+
+http.server parses each request (its request line and headers, with its limits and error answers), werkzeug's
+WSGIRequestHandler builds the WSGI environ; what is ours is what happens around them, which werkzeug's own
+``run_wsgi`` does not do for a scraper:
+
+* **Persistent HTTP/1.1 connections.**  werkzeug answers every request with ``Connection: close``; Prometheus keeps
+  one connection per target.  A connection here serves up to MAX_REQUESTS requests, waits at most IDLE_S for the
+  next one, and is closed at once (rather than a new one refused) when the server is full; each request still
+  has REQUEST_TIMEOUT_S from its first byte to its answer's last, so a client trickling its request is cut.
+* **No linger after the answer.**  werkzeug waits (10 ms) for more of the request to arrive after each answer,
+  holding the connection, its thread and the client's EOF for that long; here a request's body is read exactly as
+  far as it was declared, and only a body we stopped reading is drained, after the client was told EOF.
+* **One write per answer**: the status line, the headers and the body in one ``sendmsg`` (no copy of the body).
+* **Pooled threads**: a connection is served by an idle thread of the server's when there is one; a few stay
+  idle between connections (SPARE_WORKERS, for SPARE_IDLE_S), and every one ends when the server retires or
+  stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import io
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+from werkzeug.exceptions import InternalServerError
+from werkzeug.serving import WSGIRequestHandler
+
+REQUEST_TIMEOUT_S = 10.0  # from a request's first byte (a new connection's accept) to the end of its answer
+IDLE_S = 90.0  # a persistent connection waits this long for its next request (Prometheus scrapes every 15-60 s)
+MAX_REQUESTS = 1000  # answered on one connection, the last with Connection: close
+SPARE_WORKERS = 2  # pool threads left waiting for the next connection...
+SPARE_IDLE_S = 2.0  # ...for this long at most: an idle process gets back to its own threads
+MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs: past it the connection is closed
+_DRAIN_CHUNK = 64 << 10
+_DRAIN_WAIT_S = 0.01  # a body we stopped reading is drained while more of it arrives within this
+_FLUSH_BYTES = 4 << 20  # an answer given in many pieces is sent once this much of it is waiting
+_NO_BODY_STATUS = (204, 304)
+_MAX_IOV = 512  # buffers per sendmsg (the kernel takes at most IOV_MAX, 1024 on Linux)
+
+
+class _BodyReader:
+    """wsgi.input: the request's body, of which at most ``limit`` bytes are ever read, one chunk at a time.
+
+    ``limit`` is the declared Content-Length (so that nothing reads into the next request of the connection), or
+    MAX_DRAIN_BYTES where the body has no length we keep the connection for.
+    """
+
+    def __init__(self, stream: Any, limit: int) -> None:
+        self._stream = stream
+        self.left = limit
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self.left <= 0:
+            return b""
+        want = self.left if size is None or size < 0 else min(size, self.left)
+        data = self._stream.read1(min(want, _DRAIN_CHUNK))
+        self.left = self.left - len(data) if data else 0  # (EOF: nothing more will come)
+        return data
+
+    def readline(self, size: int | None = -1) -> bytes:
+        if self.left <= 0:
+            return b""
+        want = self.left if size is None or size < 0 else min(size, self.left)
+        data = self._stream.readline(min(want, _DRAIN_CHUNK))
+        self.left = self.left - len(data) if data else 0
+        return data
+
+    def drain(self) -> bool:
+        """Read the rest of the body; whether it was read whole (False: the client closed, or it timed out)."""
+        with contextlib.suppress(OSError, ValueError):
+            while self.left > 0 and self.read():
+                pass
+        return self.left <= 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _body_length(headers: Any) -> int | None:
+    """The request body's declared length, 0 for none; None where the connection cannot be kept after it
+    (chunked, an invalid or conflicting length, or one longer than we would read)."""
+    if headers.get("Transfer-Encoding") is not None:
+        return None
+    lengths = headers.get_all("Content-Length") or []
+    if not lengths:
+        return 0
+    if len(set(lengths)) != 1 or not lengths[0].strip().isdigit():
+        return None
+    length = int(lengths[0])
+    return length if length <= MAX_DRAIN_BYTES else None
+
+
+_date_cache: tuple[int, str] = (0, "")
+
+
+def _http_date() -> str:
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, email.utils.formatdate(now, usegmt=True))
+    return _date_cache[1]
+
+
+def send_all(sock: socket.socket, buffers: list[bytes]) -> None:
+    """Send every buffer, in order, with as few system calls as the kernel allows (one, for an answer that fits
+    its send buffer)."""
+    views = [memoryview(b) for b in buffers if b]
+    while views:
+        sent = sock.sendmsg(views[:_MAX_IOV])
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
+
+
+class PersistentHandler(WSGIRequestHandler):
+    """werkzeug's handler, serving requests on one connection until it closes, each answer in one write.
+
+    The server must have a ``connections`` attribute (a Connections) that tracks this one.
+    """
+
+    protocol_version = "HTTP/1.1"
+    timeout = REQUEST_TIMEOUT_S  # per read and write; the whole request's bound is the Connections' deadline
+    disable_nagle_algorithm = True  # an answer is one write: nothing to coalesce, and no wait for an ACK
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self._answered = 0
+        try:
+            self.handle_one_request()
+            while not self.close_connection and self._next_request():
+                self.handle_one_request()
+        except (ConnectionError, TimeoutError) as exc:
+            self.connection_dropped(exc)
+
+    def _next_request(self) -> bool:
+        """Wait (at most IDLE_S) for the next request's first byte; False: the connection is to close."""
+        connections: Connections = self.server.connections  # type: ignore[attr-defined]
+        if not connections.await_request(self.connection):
+            return False
+        try:
+            self.connection.settimeout(connections.idle_s)
+            # What the client pipelined, or else the next bytes it sends; b"" once it closed or we cut it.
+            arrived = cast(io.BufferedReader, self.rfile).peek(1)
+            self.connection.settimeout(self.timeout)
+        except (OSError, ValueError):  # timed out, reset, or cut while idle
+            return False
+        return bool(arrived) and connections.request_begins(self.connection)
+
+    def run_wsgi(self) -> None:
+        connections: Connections = self.server.connections  # type: ignore[attr-defined]
+        if not connections.in_time(self.connection):
+            self.close_connection = True  # cut at its deadline: what was read of it ended there, unanswerable
+            return
+        self._answered += 1
+        length = _body_length(self.headers)
+        body = _BodyReader(self.rfile, MAX_DRAIN_BYTES if length is None else length)
+        if length is None or self._answered >= MAX_REQUESTS or not connections.keep_alive:
+            self.close_connection = True
+        stream, self.rfile = self.rfile, body  # type: ignore[assignment]  # (make_environ's wsgi.input)
+        try:
+            self.environ = environ = self.make_environ()
+        finally:
+            self.rfile = stream
+        head_only = self.command == "HEAD"
+        answer = _Answer()
+        app_iter: Iterable[bytes] = ()
+        try:
+            app_iter = self.server.app(environ, answer.start_response)  # type: ignore[attr-defined]
+            for data in app_iter:
+                answer.add(data)
+                if answer.waiting >= _FLUSH_BYTES:
+                    self._send(answer, head_only, final=False)
+            self._send(answer, head_only, final=True)
+            if self.close_connection and body.left <= 0:  # (a body still to drain first: after that)
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_WR)  # the client's EOF, right behind the body
+        except (ConnectionError, TimeoutError) as exc:
+            self.close_connection = True
+            self.connection_dropped(exc, environ)
+        except Exception:
+            self.close_connection = True
+            if answer.sent_head:
+                raise  # the client sees the answer cut short (the server logs it at DEBUG)
+            failed = _Answer()
+            for data in InternalServerError()(environ, failed.start_response):
+                failed.add(data)
+            self._send(failed, head_only, final=True)
+            raise
+        finally:
+            close = getattr(app_iter, "close", None)
+            if close is not None:
+                close()  # (MetricsApp is told there that its body was written)
+        if answer.sent_head:
+            self.log_request(answer.code, answer.length if answer.length is not None else "-")
+        if length is None:
+            self._drain_after_eof(body)
+        elif not body.drain():
+            self.close_connection = True  # the body's declared end never came
+
+    def _send(self, answer: _Answer, head_only: bool, final: bool) -> None:
+        buffers = [] if head_only or answer.code < 200 or answer.code in _NO_BODY_STATUS else answer.chunks
+        if not answer.sent_head and self.request_version == "HTTP/0.9":
+            answer.sent_head = True  # (HTTP/0.9: the body alone)
+        if not answer.sent_head:
+            if final and answer.length is None and not head_only and answer.code not in _NO_BODY_STATUS:
+                answer.headers.append(("Content-Length", str(answer.waiting)))
+                answer.length = answer.waiting
+            if answer.length is None and not head_only and answer.code not in _NO_BODY_STATUS:
+                self.close_connection = True  # an answer of unknown length ends with the connection
+            head = [f"{self.protocol_version} {answer.status}\r\nServer: {self.version_string()}\r\n"
+                    f"Date: {_http_date()}\r\n"]
+            head += [f"{name}: {value}\r\n" for name, value in answer.headers]
+            if self.close_connection:
+                head.append("Connection: close\r\n\r\n")
+            elif self.request_version == "HTTP/1.0":
+                head.append("Connection: keep-alive\r\n\r\n")
+            else:
+                head.append("\r\n")
+            buffers = ["".join(head).encode("latin-1"), *buffers]
+            answer.sent_head = True
+        send_all(self.connection, buffers)
+        answer.chunks, answer.waiting = [], 0
+
+    def _drain_after_eof(self, body: _BodyReader) -> None:
+        """The client may still be sending a body we will not read: tell it EOF now, then read (and drop) what
+        arrives, a bounded amount, so that closing does not reset the connection before it has read the answer."""
+        with contextlib.suppress(OSError, ValueError):
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(_DRAIN_WAIT_S)
+            while body.left > 0 and body.read():
+                pass
+
+
+class _Answer:
+    """One WSGI answer, collected until it is sent."""
+
+    def __init__(self) -> None:
+        self.status = ""
+        self.code = 0
+        self.headers: list[tuple[str, str]] = []
+        self.length: int | None = None  # the declared Content-Length
+        self.chunks: list[bytes] = []
+        self.waiting = 0  # bytes in chunks
+        self.sent_head = False
+
+    def start_response(self, status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[
+            [bytes], None]:
+        if exc_info is not None and self.sent_head:
+            raise exc_info[1].with_traceback(exc_info[2])
+        self.status, self.code, self.headers = status, int(status.split(None, 1)[0]), list(headers)
+        self.length = next((int(value) for name, value in headers if name.lower() == "content-length"), None)
+        return self.add
+
+    def add(self, data: bytes) -> None:
+        if data:
+            self.chunks.append(data)
+            self.waiting += len(data)
+
+
+class Connections:
+    """A server's open connections: each one's deadline, which wait between requests, and the threads serving
+    them (a pool).
+
+    ``serve(sock, address)`` serves one connection to its end and closes it (through ``forget``).  All methods
+    are safe from any thread.
+    """
+
+    def __init__(self, name: str, serve: Callable[[socket.socket, Any], None], limit: int,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, idle_s: float = IDLE_S) -> None:
+        self.name = name  # the pool threads' names start with it
+        self._serve = serve
+        self.limit = limit
+        self.request_timeout_s, self.idle_s = request_timeout_s, idle_s
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}  # open connections -> when they are cut (monotonic s)
+        self._idle: dict[socket.socket, None] = {}  # those waiting for their next request, oldest first
+        self._jobs: queue.SimpleQueue[tuple[socket.socket, Any] | None] = queue.SimpleQueue()
+        self._spare = 0  # pool threads waiting on _jobs
+        self.workers: set[threading.Thread] = set()
+        self.keep_alive = True  # False once the server retires or stops: no connection waits for another request
+
+    def admit(self, sock: socket.socket) -> bool:
+        """Register a new connection, closing the longest idle one if the server is full; False: still full."""
+        with self._lock:
+            if len(self._deadlines) >= self.limit and self._idle:
+                oldest = next(iter(self._idle))
+                self._cut(oldest)
+                del self._idle[oldest], self._deadlines[oldest]  # its thread sees EOF and closes it
+            if len(self._deadlines) >= self.limit:
+                return False
+            self._deadlines[sock] = time.monotonic() + self.request_timeout_s
+            return True
+
+    def dispatch(self, sock: socket.socket, address: Any) -> bool:
+        """Serve an admitted connection on a spare thread, or a new one; False: no thread could be started."""
+        with self._lock:
+            if self._spare:
+                self._spare -= 1
+                self._jobs.put((sock, address))
+                return True
+            worker = threading.Thread(target=self._work, args=(sock, address), name=f"{self.name}-conn",
+                                      daemon=True)
+            self.workers.add(worker)
+        try:
+            worker.start()
+        except RuntimeError:  # the process is at its thread limit
+            with self._lock:
+                self.workers.discard(worker)
+            return False
+        return True
+
+    def _work(self, sock: socket.socket, address: Any) -> None:
+        me = threading.current_thread()
+        job: tuple[socket.socket, Any] | None = (sock, address)
+        try:
+            while job is not None:
+                self._serve(*job)
+                with self._lock:
+                    if not self.keep_alive or self._spare >= SPARE_WORKERS:
+                        return
+                    self._spare += 1
+                job = self._next_job()
+        finally:
+            with self._lock:
+                self.workers.discard(me)
+
+    def _next_job(self) -> tuple[socket.socket, Any] | None:
+        """A spare's wait for its next connection (None: end); at most SPARE_IDLE_S."""
+        try:
+            return self._jobs.get(timeout=SPARE_IDLE_S)
+        except queue.Empty:
+            with self._lock:  # (dispatch counts a spare out and queues its job under this lock)
+                try:
+                    return self._jobs.get_nowait()
+                except queue.Empty:
+                    self._spare -= 1
+                    return None
+
+    def await_request(self, sock: socket.socket) -> bool:
+        """A connection waits for its next request: it is cut IDLE_S from now (or sooner, when the server is full);
+        False: it is to close instead."""
+        with self._lock:
+            if not self.keep_alive or sock not in self._deadlines:
+                return False
+            self._deadlines[sock] = time.monotonic() + self.idle_s
+            self._idle[sock] = None
+            return True
+
+    def request_begins(self, sock: socket.socket) -> bool:
+        """The next request's first byte arrived: it has REQUEST_TIMEOUT_S; False: the connection was closed
+        while it waited."""
+        with self._lock:
+            if sock not in self._idle:
+                return False
+            del self._idle[sock]
+            self._deadlines[sock] = time.monotonic() + self.request_timeout_s
+            return True
+
+    def in_time(self, sock: socket.socket) -> bool:
+        """Whether a connection is open and within its deadline (not cut)."""
+        with self._lock:
+            return time.monotonic() <= self._deadlines.get(sock, 0.0)
+
+    def forget(self, sock: socket.socket, close: Callable[[socket.socket], None]) -> None:
+        """Close a connection (``close``), under the lock: nothing cuts a descriptor that was closed and reused."""
+        with self._lock:
+            self._deadlines.pop(sock, None)
+            self._idle.pop(sock, None)
+            close(sock)
+
+    def cut_overdue(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for sock, deadline in self._deadlines.items():
+                if now > deadline:
+                    self._cut(sock)
+
+    def cut_all(self) -> None:
+        with self._lock:
+            for sock in self._deadlines:
+                self._cut(sock)
+
+    def close_all(self, idle_only: bool = False) -> None:
+        """Keep no connection for another request from now on, and let the spare threads end; cut the connections
+        waiting for one (``idle_only``: the others finish their request) or all of them."""
+        with self._lock:
+            self.keep_alive = False
+            for sock in list(self._idle if idle_only else self._deadlines):
+                self._cut(sock)
+            self._idle.clear()
+            for _ in range(self._spare):
+                self._jobs.put(None)
+            self._spare = 0
+
+    @staticmethod
+    def _cut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def busy(self) -> bool:
+        """Whether a thread of the pool is alive (serving, or spare until close_all)."""
+        with self._lock:
+            return any(worker.is_alive() for worker in self.workers)
+
+    def open(self) -> int:
+        """How many connections are open."""
+        with self._lock:
+            return len(self._deadlines)
+
+    def threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return list(self.workers)
