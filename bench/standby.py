@@ -203,29 +203,30 @@ def targets(results: Results) -> list[list[str]]:
         idle = takeover.get(mode, {}).get("idle", [])
         if idle:
             median = statistics.median(idle)
-            rows.append([f"owner SIGKILLed, every rank idle ({mode}): served again", f"{median * 1e3:.0f} ms median",
-                         f"<= {TARGET_S * 1e3:.0f} ms (goal {GOAL_S * 1e3:.0f})", _met(median <= TARGET_S)])
+            rows.append([f"owner SIGKILLed, every rank idle ({mode}): served again within {TARGET_S * 1e3:.0f} ms "
+                         f"(goal {GOAL_S * 1e3:.0f})", f"{median * 1e3:.0f} ms median", _met(median <= TARGET_S)])
         cpp = takeover.get(mode, {}).get("idle, C++ owner", [])
         if cpp:
             median = statistics.median(cpp)
-            rows.append([f"C++ owner SIGKILLed, idle Python standbys ({mode})", f"{median * 1e3:.0f} ms median",
-                         f"<= {TARGET_S * 1e3:.0f} ms", _met(median <= TARGET_S)])
+            rows.append([f"C++ owner SIGKILLed, idle Python standbys ({mode}): within {TARGET_S * 1e3:.0f} ms",
+                         f"{median * 1e3:.0f} ms median", _met(median <= TARGET_S)])
         recording = takeover.get(mode, {}).get("recording", [])
         if recording:
             median = statistics.median(recording)
-            rows.append([f"owner SIGKILLed, standbys recording 10/s ({mode})", f"{median * 1e3:.0f} ms median",
-                         f"<= {RECORDING_TARGET_S * 1e3:.0f} ms", _met(median <= RECORDING_TARGET_S)])
+            rows.append([f"owner SIGKILLed, standbys recording 10/s ({mode}): within "
+                         f"{RECORDING_TARGET_S * 1e3:.0f} ms", f"{median * 1e3:.0f} ms median",
+                         _met(median <= RECORDING_TARGET_S)])
     for mode, used in out.get("cpu", {}).items():
-        rows.append([f"an idle standby's CPU per 5 s ({mode})", f"{used:.3f} s", f"< {WAIT_CPU_TARGET_S} s",
+        rows.append([f"an idle standby's CPU per 5 s ({mode}): under {WAIT_CPU_TARGET_S} s", f"{used:.3f} s",
                      _met(used < WAIT_CPU_TARGET_S)])
     for ending, exact in out.get("end", {}).items():
-        rows.append([f"job end by {ending}: final values served 2 s later", f"{sum(exact)} of {len(exact)}",
-                     "all", _met(all(exact))])
+        rows.append([f"job end by {ending}: every rank's final values served 2 s later",
+                     f"{sum(exact)} of {len(exact)}", _met(all(exact))])
     new_run = out.get("new_run", [])
     if new_run:
         median = statistics.median(new_run)
-        rows.append(["a new run while a helper lingers: its first rank serves", f"{median * 1e3:.0f} ms median",
-                     f"<= {TARGET_S * 1e3:.0f} ms", _met(median <= TARGET_S)])
+        rows.append([f"a new run while a helper lingers: its first rank serves within {TARGET_S * 1e3:.0f} ms",
+                     f"{median * 1e3:.0f} ms median", _met(median <= TARGET_S)])
     return rows
 
 

@@ -150,3 +150,40 @@ def test_the_plugin_rows_judge_each_serving_mode_and_the_connections() -> None:
     assert "| 8 | C++ plug-in | 2.00 | - | 2.00 | - | 2.00 | - | 10 (no gzip) | 100 | 8 |" in done.stdout
     assert "| 8 | ours: thread (in the rank) | 20 of 20 | 3.00 |" in done.stdout
     assert "| 8 | C++ plug-in | 1 of 20 | 0.010 |" in done.stdout
+
+
+# The standby scenario (who serves when the owner is gone), with fixed figures: idle takeovers of 20 ms (helper)
+# and 5 ms (thread), a recording one of 80 ms (a miss of the 50 ms target), a waiting standby's CPU, the job's
+# end served (close) and missed (sigkill), a new run at 40 ms.
+STANDBY_SCRIPT = """
+import sys
+import bench.__main__ as bench_main
+from bench import standby
+
+def scenario(settings, results):
+    results.standby.update({
+        "takeover": {"helper": {"idle": [0.02], "recording": [0.08], "idle, C++ owner": [0.01]},
+                     "thread": {"idle": [0.005], "recording": [0.006]}},
+        "cpu": {"helper": 0.01, "thread": 0.01},
+        "end": {"close": [True], "sigkill": [False]},
+        "new_run": [0.04]})
+
+standby.standby = scenario
+sys.exit(bench_main.main(sys.argv[1:]))
+"""
+
+
+def test_the_standby_rows_judge_each_figure() -> None:
+    done = subprocess.run([sys.executable, "-c", STANDBY_SCRIPT, "--scenarios", "standby", "--check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0, done.stdout  # --check: the recording takeover and the SIGKILL job end miss
+    rows = {cells[0]: cells[1:] for cells in (
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in done.stdout.splitlines()
+        if line.startswith("|"))}
+    assert rows["owner SIGKILLed, every rank idle (helper): served again within 500 ms (goal 50)"] == \
+        ["20 ms median", "met"]
+    assert rows["owner SIGKILLed, standbys recording 10/s (helper): within 50 ms"] == ["80 ms median", "NOT met"]
+    assert rows["C++ owner SIGKILLed, idle Python standbys (helper): within 500 ms"] == ["10 ms median", "met"]
+    assert rows["job end by close: every rank's final values served 2 s later"] == ["1 of 1", "met"]
+    assert rows["job end by sigkill: every rank's final values served 2 s later"] == ["0 of 1", "NOT met"]
+    assert rows["a new run while a helper lingers: its first rank serves within 500 ms"] == ["40 ms median", "met"]
