@@ -213,6 +213,16 @@ class BoundedServer(ThreadedWSGIServer):
             drain.start()
             self.serve_thread = drain  # what stop() joins
 
+    def abandon(self) -> None:
+        """For a process about to exit: stop accepting at once, and keep no connection for another request.
+
+        Unlike retire() it does not wait for the serving loop to notice (up to _POLL_S): a lingering helper
+        leaving the address to a standby frees the port now, and exits once the answers being written are.
+        """
+        self._stopping.set()
+        close_listener(self.socket)
+        self.connections.close_all(idle_only=True)
+
     def _cut_overdue_until_idle(self) -> None:
         while not self._stopped.wait(_POLL_S) and self.busy():
             self.service_actions()

@@ -141,10 +141,9 @@ def _job_end(directory: Path, ending: str) -> tuple[bool, float | None]:
         status, body = http_get(port, timeout=2.0)
         served = _tx_bytes(body.decode()) if status == 200 else {}
         exact = bool(truth) and served == truth
-        started = time.monotonic()
-        new = Worker("rank", env, "0")
+        new = Worker("rank", env, "0")  # from its Exporter's construction (not its interpreter's start)
         done = _poll_until(lambda: _owner(port)["pid"] == new.pid or None, 10, 0.002)  # type: ignore[union-attr]
-        return exact, None if done is None else done[0] - started
+        return exact, None if done is None else done[0] - new.hello["constructing"]
     finally:
         _stop_all(workers + ([new] if new is not None else []))
 

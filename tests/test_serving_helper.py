@@ -443,7 +443,8 @@ def test_no_scrape_fails_while_the_thread_hands_over_to_the_helper(tmp_dir: Path
 def _served_last_values_then_gone(port: int, helper: int) -> None:
     """The last rank closed: its helper serves the departed ranks' last values once (app.rank.linger), then
     goes, and the rank's supervisor reaps it."""
-    assert owner(port)["lingering"]["departed"] >= 1
+    wait_until(lambda: (owner(port)["lingering"] or {}).get("departed", 0) >= 1, 2.0,
+               message="the helper lingering for the departed ranks")
     scrape(port)
     wait_until(lambda: process_state(helper) is None, 2.0, message="the helper gone and reaped once it served")
 

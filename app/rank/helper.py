@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                  "the rank is gone; leaving the address", why)
     # Without any clean-up that could be slow.  The port first: the lock's release (as we exit) wakes a standby
     # at once, which must find it free; then the answers being written (the one that served the last values).
-    server.retire()
+    server.abandon()
     listener.close()
     deadline = time.monotonic() + KILL_WAIT_S
     while server.busy() and time.monotonic() < deadline:

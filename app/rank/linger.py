@@ -30,7 +30,7 @@ log = logging.getLogger("nixl_prometheus_mp.helper")
 POLL_S = 0.05  # how soon a lingering helper sees a new writer (and its standby takes the address over)
 # A live writer is looked at twice, this far apart, before the address goes to it: ranks killed together die
 # one by one, and the first look can come before the last kill.
-CONFIRM_S = 0.02
+CONFIRM_S = 0.01
 YIELD_AFTER_S = 0.1  # how long a live writer that does not stand by (see Linger.run) waits for the address
 _PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
