@@ -410,6 +410,11 @@ class Connections:
         with self._lock:
             return any(worker.is_alive() for worker in self.workers)
 
+    def idle(self) -> int:
+        """How many connections wait for their next request."""
+        with self._lock:
+            return len(self._idle)
+
     def open(self) -> int:
         """How many connections are open."""
         with self._lock:

@@ -212,7 +212,8 @@ def test_the_connection_bound_counts_persistent_connections(served: Served,
     idle = [served.client() for _ in range(3)]
     for client in idle:
         assert get(client).status == 200
-    wait_until(lambda: connections.open() == 3, message="three idle connections open")
+    # (Idle once their threads wait for the next request, which may be just after the client has its answer.)
+    wait_until(lambda: connections.idle() == 3, message="three idle connections open")
     newcomer = served.client()
     assert get(newcomer).status == 200
     idle[0].sock.settimeout(DEADLINE_S)
