@@ -217,6 +217,8 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
                 _failures(procs, reported)
                 return 0
         _report_ended(procs, reported, interactive)
+        # Before the last line: the lingering helper says when it leaves, and the demo's own line must end it.
+        _collect_last_values(args.port)
         _show(("\n" if interactive else "") + totals.line())
         _failures(procs, reported)
         return 0
