@@ -185,7 +185,8 @@ def targets(results: Results) -> list[list[str]]:
         median = statistics.median(new_run)
         rows.append(["a new run while a helper lingers: its first rank serves", f"{median * 1e3:.0f} ms median",
                      f"<= {TARGET_S * 1e3:.0f} ms", _met(median <= TARGET_S)])
-    return rows
+    # The report's table has three columns (target, measured, verdict): the target's bound goes with its name.
+    return [[f"{name} ({bound})", measured, verdict] for name, measured, bound, verdict in rows]
 
 
 def _met(ok: bool) -> str:
