@@ -20,7 +20,9 @@ from typing import Any
 
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
+from app.logsink import never_block_on_logs
 from election.lock import SCARCE
+from store.fds import above_stdio, socket_above_stdio
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -111,7 +113,7 @@ _FORK_LOCK_WAIT_S = 1.0  # a fork from a signal handler that interrupted a regis
 
 def _open_listener(family: int) -> socket.socket:
     with _listeners_lock:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket_above_stdio(socket.socket(family, socket.SOCK_STREAM))
         _listeners.add(sock)
     return sock
 
@@ -185,7 +187,9 @@ class BoundedServer(ThreadedWSGIServer):
         taking the CPU from the rank it lives in.
         """
         try:
-            conn = super().get_request()
+            conn, address = super().get_request()
+            # (never on 0-2, where a host with its standard streams closed would write its output)
+            conn = conn if conn.fileno() > 2 else socket.socket(fileno=above_stdio(conn.detach()))
         except OSError as exc:
             if exc.errno in SCARCE:
                 _warner.warn(("accept", self.server_address, exc.errno),
@@ -197,7 +201,7 @@ class BoundedServer(ThreadedWSGIServer):
                 self._stopping.wait(self._accept_backoff_s)
             raise
         self._accept_backoff_s = 0.0
-        return conn
+        return conn, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
         worker = threading.Thread(target=self._serve_connection, args=(request, client_address),
@@ -229,6 +233,7 @@ class BoundedServer(ThreadedWSGIServer):
         self.shutdown_request(request)
 
     def _serve_connection(self, request: Any, client_address: Any) -> None:
+        never_block_on_logs()  # a scrape never waits for the host's log sink (app.logsink)
         try:
             self.process_request_thread(request, client_address)
         finally:
@@ -289,6 +294,7 @@ class BoundedServer(ThreadedWSGIServer):
             self.serve_thread = drain  # what stop() joins
 
     def _cut_overdue_until_idle(self) -> None:
+        never_block_on_logs()
         while not self._stopped.wait(_POLL_S) and self.busy():
             self.service_actions()
 
@@ -349,6 +355,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _serve_forever(server: BoundedServer) -> None:
+    never_block_on_logs()  # the serving loop never waits for the host's log sink (app.logsink)
+    server.serve_forever(poll_interval=_POLL_S)
+
+
 def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedServer, threading.Thread]:
     """A threaded werkzeug server on a duplicate of the bound socket ``sock``, on a daemon thread.
 
@@ -360,9 +371,11 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
     host, port = sock.getsockname()[:2]
     with _listeners_lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
         server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
-        _listeners.add(server.socket)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name=name,
-                              daemon=True)
+        try:
+            server.socket = socket_above_stdio(server.socket)
+        finally:
+            _listeners.add(server.socket)
+    thread = threading.Thread(target=_serve_forever, args=(server,), name=name, daemon=True)
     server.serve_thread = thread
     try:
         thread.start()
