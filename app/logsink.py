@@ -46,32 +46,42 @@ def emit_later(record: logging.LogRecord) -> None:
             _dropped += 1
         return
     with _lock:
-        if _emitter is None or not _emitter.is_alive():
-            thread = threading.Thread(target=_emit, name="nixl-metrics-log", daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:  # no thread: the records wait in the queue (bounded) for a later one
-                return
+        if _emitter is not None and _emitter.is_alive():
+            return
+        thread = threading.Thread(target=_emit, name="nixl-metrics-log", daemon=True)
+        try:
+            thread.start()
             _emitter = thread
+            return
+        except RuntimeError:  # no thread (RLIMIT_NPROC): what waits is handled here, as without this module
+            pass
+    while True:
+        try:
+            _handle(_queue.get_nowait())
+        except queue.Empty:
+            return
 
 
 def _emit() -> None:
-    global _dropped
     while True:
-        record = _queue.get()
-        with _lock:
-            dropped, _dropped = _dropped, 0
-        if dropped:
-            record.msg = f"{record.getMessage()} ({dropped} earlier log record(s) of the telemetry endpoint " \
-                         "were dropped: the log sink was blocked)"
-            record.args = None
-        setattr(record, _DEFERRED, True)
-        logger = logging.getLogger(record.name)
-        try:
-            if logger.isEnabledFor(record.levelno):
-                logger.handle(record)
-        except Exception:  # a handler's bug is the host's; ours must go on emitting
-            pass
+        _handle(_queue.get())
+
+
+def _handle(record: logging.LogRecord) -> None:
+    global _dropped
+    with _lock:
+        dropped, _dropped = _dropped, 0
+    if dropped:
+        record.msg = f"{record.getMessage()} ({dropped} earlier log record(s) of the telemetry endpoint were " \
+                     "dropped: the log sink was blocked)"
+        record.args = None
+    setattr(record, _DEFERRED, True)
+    logger = logging.getLogger(record.name)
+    try:
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
+    except Exception:  # a handler's bug is the host's; ours must go on emitting
+        pass
 
 
 class _Deferring(logging.Filter):

@@ -189,10 +189,12 @@ def stopped_orphan_helpers(lock_path: Path) -> list[int]:
     """Serving helpers that hold ``lock_path``'s lock for a rank that is gone, and are stopped (SIGSTOP, a
     debugger): nobody else can free the address until they run again.  This user's only.
 
-    Looked for only when the lock's holder is gone (/proc/locks shows pid 0 once the locker has exited): a
-    helper serving a live rank, or lingering for departed ranks (it runs: state S or R), is never one.
+    Looked for only when the lock's holder is gone (/proc/locks names the process that took the lock, the rank,
+    or 0 once its pid is freed): a helper serving a live rank, or lingering for departed ranks (it runs: state
+    S or R), is never one.
     """
-    if lock_holder_pid(lock_path) is not None:
+    holder = lock_holder_pid(lock_path)
+    if holder is not None and process_state(holder) not in (None, "Z", "X"):
         return []
     try:
         wanted = os.stat(lock_path)
@@ -204,7 +206,7 @@ def stopped_orphan_helpers(lock_path: Path) -> list[int]:
             continue
         pid = int(entry)
         rank = helper_of(pid)
-        if rank is None or process_state(pid) not in ("T", "t"):
+        if rank is None or (holder is not None and rank != holder) or process_state(pid) not in ("T", "t"):
             continue
         try:
             if os.stat(f"/proc/{pid}").st_uid != os.getuid():

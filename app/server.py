@@ -13,11 +13,14 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
+import types
 from typing import Any
 
+import werkzeug.serving as _werkzeug_serving
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 
 from app.logsink import never_block_on_logs
@@ -35,6 +38,12 @@ _warner = OnceWarner(log)
 # import, and a takeover only pays the (cached) lookup itself.
 with contextlib.suppress(Exception):
     importlib.metadata.version("werkzeug")
+
+# After each response werkzeug drains what the client sent with a selectors.DefaultSelector: an epoll, one more
+# descriptor per scrape, which lands on 0, 1 or 2 in a host that closed them (store.fds).  poll() needs none and
+# does the same here (one socket, a 10 ms wait): werkzeug's serving module gets a selectors with poll's.
+_werkzeug_serving.selectors = types.SimpleNamespace(  # type: ignore[assignment]
+    DefaultSelector=getattr(selectors, "PollSelector", selectors.DefaultSelector), EVENT_READ=selectors.EVENT_READ)
 
 _POLL_S = 0.1  # serve_forever's shutdown poll: bounds close() latency
 _REQUEST_TIMEOUT_S = 10.0  # a connection is cut this long after it was accepted, whatever the client does

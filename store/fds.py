@@ -5,13 +5,16 @@ a store, a listener opened then would sit where the host (or anything it starts)
 its output and errors, and the host's next ``print`` or log line would land in our file.  So every
 descriptor this package keeps is moved to 3 or above the moment it exists (``F_DUPFD_CLOEXEC``), and the
 low number is closed again.  Between the two calls (a few microseconds) the low number is ours; nothing of
-ours writes through it meanwhile.
+ours writes through it meanwhile.  A call that makes a descriptor we never see (``mmap.mmap`` keeps a
+duplicate of the file's) runs while 0-2 are all open instead: :func:`stdio_occupied`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
 try:
     import fcntl
@@ -43,3 +46,24 @@ def socket_above_stdio(sock: socket.socket) -> socket.socket:
     if sock.fileno() >= FIRST_FREE:
         return sock
     return socket.socket(fileno=above_stdio(sock.detach()))
+
+
+@contextlib.contextmanager
+def stdio_occupied() -> Iterator[None]:
+    """While held, 0, 1 and 2 are all open, so that any descriptor made meanwhile lands at 3 or above.
+
+    The free ones are filled with /dev/null for that moment (a host's write to its closed stderr then goes
+    nowhere, where it would have failed), and closed again.
+    """
+    placeholders: list[int] = []
+    try:
+        while True:
+            fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            if fd >= FIRST_FREE:
+                os.close(fd)
+                break
+            placeholders.append(fd)
+        yield
+    finally:
+        for fd in placeholders:
+            os.close(fd)

@@ -30,7 +30,7 @@ from typing import Any, Final
 
 from store import layout as L
 from store import recorders as hot
-from store.fds import open_above_stdio
+from store.fds import open_above_stdio, stdio_occupied
 from store.metrics import EventType
 from store.recorders import (
     W_LAST_UPDATE,
@@ -147,7 +147,8 @@ class StoreWriter:
         if fd is None:
             fd = self._create_staged(path, pid, carry)
         self.pid, self.path, self._fd = pid, path, fd
-        self._mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with stdio_occupied():  # (mmap keeps a duplicate of fd: never on 0-2, see store.fds)
+            self._mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._words = memoryview(self._mm).cast("Q")
         self._attach()
 
@@ -202,7 +203,9 @@ class StoreWriter:
         self.locked = _flock_store(fd, path)
         os.fchmod(fd, 0o600)  # the umask can only narrow 0600, but be explicit
         _reserve(fd)
-        with mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+        with stdio_occupied():
+            mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with mm:
             ident = self.identity
             L.HEADER_STRUCT.pack_into(
                 mm, L.VERSION_FIELD[0], L.SCHEMA_VERSION, L.SLOT_COUNT, pid, time.monotonic_ns(),

@@ -138,7 +138,7 @@ def main() -> None:
 def _launch(child: int, ready_r: int) -> int:
     """(The launcher) until the helper is ready (0) or dead (its status, 128 + N if killed by signal N)."""
     try:
-        pidfd = os.pidfd_open(child)
+        pidfd = os.pidfd_open(child)  # (in the launcher: 0-2 are open here)
         poller = select.poll()
         poller.register(ready_r, select.POLLIN)
         poller.register(pidfd, select.POLLIN)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from app.probe import credentials, helper_command
 from app.rank.channel import MAX_MESSAGE, pair
-from store.fds import open_above_stdio, socket_above_stdio
+from store.fds import above_stdio, open_above_stdio, socket_above_stdio, stdio_occupied
 
 KILL_WAIT_S = 2.0  # how long stopping waits for a SIGKILLed helper to be gone (it frees the port then)
 # The failures of a start that the system may not repeat a moment later: tried again, with the back-off.
@@ -186,8 +186,9 @@ def launch() -> HelperProcess:
         null = open_above_stdio(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         # Its stdin is the channel; stdout and stderr /dev/null (it logs over the channel); every other
         # descriptor closed; in /, so that it keeps no directory busy.
-        launcher = subprocess.Popen(command, cwd="/", stdin=theirs.fileno(), stdout=null, stderr=null,
-                                    start_new_session=True)
+        with stdio_occupied():  # (Popen's own pipes, for the moment it takes, never on 0-2: see store.fds)
+            launcher = subprocess.Popen(command, cwd="/", stdin=theirs.fileno(), stdout=null, stderr=null,
+                                        start_new_session=True)
     except (OSError, subprocess.SubprocessError) as exc:  # no descriptors, processes or memory
         if ours is not None:
             ours.close()
@@ -199,7 +200,7 @@ def launch() -> HelperProcess:
         if null >= 0:
             os.close(null)
     try:
-        launcher_fd = os.pidfd_open(launcher.pid)
+        launcher_fd = above_stdio(os.pidfd_open(launcher.pid))
     except OSError as exc:
         launcher.kill()
         launcher.wait()

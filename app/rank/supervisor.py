@@ -74,6 +74,7 @@ from app.rank.helper import WATCH_S, HelperArgs
 from app.rank.spawn import KILL_WAIT_S, HelperProcess, StartFailed, bootstrap, launch, readable
 from app.rank.spawn import helper_unusable as helper_unusable
 from app.server import holding_off_fork
+from store.fds import above_stdio
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.helper")
@@ -365,7 +366,7 @@ class HelperSupervisor:
         """The helper watches its rank: record its pidfd, then send it the descriptors and the state."""
         with holding_off_fork():
             try:
-                child.pidfd = os.pidfd_open(pid)
+                child.pidfd = above_stdio(os.pidfd_open(pid))
             except OSError:
                 return  # gone already (its launcher says how)
             child.pid = pid
