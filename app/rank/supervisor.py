@@ -247,12 +247,16 @@ class HelperSupervisor:
     def _supervise(self) -> None:
         backoff_s = 0.0
         while not self._stopping.is_set():
+            child = None
             try:
                 child = self._spawn()
                 if child is None:
                     return  # the endpoint stopped serving meanwhile
                 self._start(child)
             except StartFailed as failure:
+                if child is not None:  # killed and gone, reaped what is ours, closed (each step idempotent)
+                    self._end(child, KILL_WAIT_S)
+                    self._finish(child)
                 if self._stopping.is_set():
                     return
                 if not failure.transient:
@@ -299,9 +303,8 @@ class HelperSupervisor:
     def _finish(self, child: HelperProcess) -> None:
         """Reap what is ours of a helper that is gone and close our descriptors of it, then forget it: under
         holding_off_fork, so that a fork meanwhile finds them recorded (and closes its copies) or closed."""
-        if child.reap_launcher() is None and child.launcher_status is None:
-            if readable(child.launcher_fd, KILL_WAIT_S) if child.launcher_fd >= 0 else False:
-                child.reap_launcher()
+        if child.launcher_status is None and child.launcher_fd >= 0 and readable(child.launcher_fd, KILL_WAIT_S):
+            child.reap_launcher()  # (it exits once the helper is ready or gone, or was killed with it)
         child.reap_helper()
         with holding_off_fork(), self._lock:
             child.close()
@@ -350,12 +353,9 @@ class HelperSupervisor:
             if child.pidfd in events:
                 break
         else:
-            child.kill()
-            child.wait_gone(KILL_WAIT_S)
-            self._finish(child)
             raise StartFailed(f"was not ready within {READY_TIMEOUT_S:.0f} s", transient=True)
         self._end(child, KILL_WAIT_S)
-        self._finish(child)
+        self._finish(child)  # (reaps the launcher: its status says how the helper ended)
         status = child.launcher_status
         words = exit_words(status) if status is not None else "exited"
         if child.said:
@@ -416,8 +416,10 @@ class HelperSupervisor:
         now = time.monotonic()
         next_ping, next_watch, pinged_at = now + PING_S, now + WATCH_S, None
         while True:
-            timeout = min(next_ping, next_watch) - time.monotonic()
-            events = dict(poller.poll(max(0, int(timeout * 1000)) + 1))
+            # Once the address was left to it, nothing is due: only its logs, and its end, are waited for.
+            timeout = None if self._leaving.is_set() else max(0, int((min(next_ping, next_watch) - time.monotonic())
+                                                                     * 1000)) + 1
+            events = dict(poller.poll(timeout))
             if child.launcher_fd in events:
                 child.reap_launcher()
                 poller.unregister(child.launcher_fd)
@@ -436,10 +438,8 @@ class HelperSupervisor:
                 return "stopping"
             now = time.monotonic()
             if pinged_at is not None and now - pinged_at > PING_TIMEOUT_S:
-                log.warning("the serving helper of %s (%s) has not answered for %.0f s (stopped, or under a "
-                            "debugger?); this process replaces it", self.spec.address, child.name, PING_TIMEOUT_S)
-                self._end(child, KILL_WAIT_S)
-                return "unresponsive"
+                return self._replace(child, "unresponsive", f"has not answered for {PING_TIMEOUT_S:.0f} s "
+                                     "(stopped, or under a debugger?)")
             if now >= next_ping:
                 next_ping = now + PING_S
                 if pinged_at is None:
@@ -448,13 +448,15 @@ class HelperSupervisor:
                 beyond = self._privileges_beyond(child)
                 if beyond is not None:
                     child.said = beyond
-                    log.warning("the serving helper of %s (%s) has privileges this process no longer has (%s); "
-                                "this process replaces it", self.spec.address, child.name, beyond)
-                    self._end(child, KILL_WAIT_S)
-                    return "privileges"
+                    return self._replace(child, "privileges", f"has privileges this process no longer has ({beyond})")
             if now >= next_watch:
                 next_watch = now + WATCH_S
                 self._host.watch()
+
+    def _replace(self, child: HelperProcess, reason: str, words: str) -> str:
+        log.warning("the serving helper of %s (%s) %s; this process replaces it", self.spec.address, child.name, words)
+        self._end(child, KILL_WAIT_S)
+        return reason
 
     @staticmethod
     def _privileges_beyond(child: HelperProcess) -> str | None:
