@@ -22,6 +22,7 @@ LOGGERS = ("nixl_prometheus_mp", "nixl_prometheus_mp.store", "nixl_prometheus_mp
            "nixl_prometheus_mp.web", "nixl_prometheus_mp.endpoint", "nixl_prometheus_mp.helper",
            "nixl_prometheus_mp.collector")
 QUEUE_SIZE = 1000
+IDLE_S = 1.0  # the emitter thread ends after this long without a record (a later one starts another)
 _DEFERRED = "_nixl_deferred"  # set on a record the emitter thread hands on: let it through
 
 _local = threading.local()
@@ -46,7 +47,7 @@ def emit_later(record: logging.LogRecord) -> None:
             _dropped += 1
         return
     with _lock:
-        if _emitter is not None and _emitter.is_alive():
+        if _emitter is not None:
             return
         thread = threading.Thread(target=_emit, name="nixl-metrics-log", daemon=True)
         try:
@@ -63,8 +64,17 @@ def emit_later(record: logging.LogRecord) -> None:
 
 
 def _emit() -> None:
+    global _emitter
     while True:
-        _handle(_queue.get())
+        try:
+            record = _queue.get(timeout=IDLE_S)
+        except queue.Empty:
+            with _lock:  # (emit_later puts before it looks for us under this lock: nothing is left behind)
+                if _queue.empty():
+                    _emitter = None
+                    return
+            continue
+        _handle(record)
 
 
 def _handle(record: logging.LogRecord) -> None:
