@@ -207,6 +207,7 @@ def test_an_owner_that_execs_leaves_no_zombie(tmp_dir: Path, reaper: Reaper) -> 
     port = free_port()
     process, pid = guest_rank(reaper, tmp_dir, port)
     helper = served_by_helper_of(port, pid)
+    wait_until(lambda: children_of(pid) == [], 2.0, message="the helper's launcher reaped")  # (it exits at ready)
     process.send("exec")
     assert process.readline(DEADLINE_S) == "execd"
     # The channel's end closed with the exec: the helper serves the departed store once, then goes.

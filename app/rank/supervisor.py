@@ -344,6 +344,10 @@ class HelperSupervisor:
                     if child.pidfd >= 0:
                         poller.register(child.pidfd, select.POLLIN)
                 elif message == READY:
+                    # Its launcher exits now: reaped before anything else, so that a host that execs another
+                    # program from here on leaves no child of ours to it.
+                    if child.launcher_status is None and readable(child.launcher_fd, KILL_WAIT_S):
+                        child.reap_launcher()
                     return
                 continue
             if child.launcher_fd in events:
