@@ -22,7 +22,9 @@ from typing import Any
 from werkzeug.serving import ThreadedWSGIServer
 
 from app.http import REQUEST_TIMEOUT_S, Connections, PersistentHandler
+from app.logsink import never_block_on_logs
 from election.lock import SCARCE
+from store.fds import socket_above_stdio
 from store.forkguard import ForkGuard
 from store.warnonce import OnceWarner
 
@@ -85,7 +87,7 @@ _guard = ForkGuard(_close_listeners_in_child)
 
 def _open_listener(family: int) -> socket.socket:
     with _guard.lock:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = socket_above_stdio(socket.socket(family, socket.SOCK_STREAM))
         _listeners.add(sock)
     return sock
 
@@ -126,7 +128,7 @@ class BoundedServer(ThreadedWSGIServer):
         self._refusal_logged = False
         self.serve_thread: threading.Thread | None = None
         super().__init__(*args, **kwargs)  # (which already calls server_close once)
-        self.connections = Connections(f"nixl-metrics-{self.server_address[1]}", self.process_request_thread,
+        self.connections = Connections(f"nixl-metrics-{self.server_address[1]}", self._serve_connection,
                                        MAX_CONNECTIONS)
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -137,7 +139,7 @@ class BoundedServer(ThreadedWSGIServer):
         taking the CPU from the rank it lives in.
         """
         try:
-            conn = super().get_request()
+            conn, address = super().get_request()
         except OSError as exc:
             if exc.errno in SCARCE:
                 _warner.warn(("accept", self.server_address, exc.errno),
@@ -149,7 +151,8 @@ class BoundedServer(ThreadedWSGIServer):
                 self._stopping.wait(self._accept_backoff_s)
             raise
         self._accept_backoff_s = 0.0
-        return conn
+        # (never on 0-2, where a host with its standard streams closed would write its output)
+        return socket_above_stdio(conn), address
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if self.connections.admit(request):
@@ -168,6 +171,10 @@ class BoundedServer(ThreadedWSGIServer):
             request.setblocking(False)
             request.send(_BUSY)
         self.shutdown_request(request)
+
+    def _serve_connection(self, request: socket.socket, client_address: Any) -> None:
+        never_block_on_logs()  # a scrape never waits for the host's log sink (app.logsink)
+        self.process_request_thread(request, client_address)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # socketserver prints a traceback to the rank's stderr; a client's misbehaviour is not the rank's news.
@@ -224,6 +231,7 @@ class BoundedServer(ThreadedWSGIServer):
         self.connections.close_all(idle_only=True)
 
     def _cut_overdue_until_idle(self) -> None:
+        never_block_on_logs()
         while not self._stopped.wait(_POLL_S) and self.busy():
             self.service_actions()
 
@@ -283,6 +291,11 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _serve_forever(server: BoundedServer) -> None:
+    never_block_on_logs()  # the serving loop never waits for the host's log sink (app.logsink)
+    server.serve_forever(poll_interval=_POLL_S)
+
+
 def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedServer, threading.Thread]:
     """A threaded werkzeug server on a duplicate of the bound socket ``sock``, on a daemon thread.
 
@@ -294,9 +307,11 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
     host, port = sock.getsockname()[:2]
     with _guard.lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
         server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
-        _listeners.add(server.socket)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name=name,
-                              daemon=True)
+        try:
+            server.socket = socket_above_stdio(server.socket)
+        finally:
+            _listeners.add(server.socket)
+    thread = threading.Thread(target=_serve_forever, args=(server,), name=name, daemon=True)
     server.serve_thread = thread
     try:
         thread.start()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from store.fds import above_stdio
 from store.layout import OWNER_LOCK_PREFIX, OWNER_LOCK_SUFFIX
 from store.warnonce import OnceWarner
 
@@ -216,7 +217,7 @@ class OwnerElection:
 
 def open_lock_file(path: Path) -> int:
     """Open (creating it 0600) the lock file at ``path``, refusing one that is not a regular file of ours."""
-    fd = os.open(path, _OPEN_FLAGS, 0o600)
+    fd = above_stdio(os.open(path, _OPEN_FLAGS, 0o600))  # (store.fds: never on 0-2)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -278,7 +279,7 @@ def address_is_held(directory: str | os.PathLike[str], address: str) -> bool:
 def _is_held(path: str) -> bool:
     # A new open file description conflicts with every other one, ours included.
     try:
-        fd = os.open(path, _PROBE_FLAGS)
+        fd = above_stdio(os.open(path, _PROBE_FLAGS))
     except OSError:
         return False
     try:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from election.lock import SCARCE, flock_entries, open_lock_file
+from store.fds import open_above_stdio
 from store.forkguard import ForkGuard
 
 try:
@@ -112,7 +113,7 @@ class LockWaiter:
             return  # the thread is between an open and its record: it sees the flag right after
         try:
             if self._fd is not None:
-                null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                null = open_above_stdio(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     os.dup2(null, self._fd, inheritable=False)
                 finally:

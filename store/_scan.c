@@ -47,6 +47,18 @@ typedef struct {
  * again.  The signal's Python handler runs once the scan has returned. */
 #define RETRY(rc, call) do (rc) = (call); while ((rc) < 0 && errno == EINTR)
 
+/* A descriptor of ours is never 0, 1 or 2 (store/fds.py): where the host
+ * closed its standard streams, move it to 3 or above at once. */
+static int above_stdio(int fd) {
+    if (fd < 0 || fd > 2)
+        return fd;
+    int moved = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return moved;
+}
+
 /* nixl.<pid>.<run_marker>.<instance>.mmap, each field one or more ASCII
  * digits: nothing else in the directory is ever opened (store.layout's
  * is_store_name). */
@@ -76,6 +88,7 @@ static int by_name(const void *a, const void *b) {
 static void scan_one(int dir_fd, Entry *e, uid_t euid, char *scratch) {
     int fd, rc;
     RETRY(fd, openat(dir_fd, e->name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+    fd = above_stdio(fd);
     if (fd < 0) {
         e->err = errno;
         e->outcome = errno == ENOENT ? MISSING : UNREADABLE;
@@ -140,6 +153,7 @@ static void free_entries(Entry *entries, size_t count) {
 static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
     int dir_fd;
     RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    dir_fd = above_stdio(dir_fd);
     if (dir_fd < 0)
         return -1;
     DIR *dir = fdopendir(dir_fd);

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from store import layout as L
+from store.fds import open_above_stdio
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.store")
@@ -120,7 +121,7 @@ ReadResult = Snapshot | InvalidStore | Unreadable
 def open_store(path: str | os.PathLike[str]) -> int | Unreadable:
     """Open a store for reading if it is a regular file we own."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = open_above_stdio(path, _OPEN_FLAGS)
     except OSError as exc:
         return open_failure(Path(path), exc.errno or 0)
     try:
@@ -288,7 +289,7 @@ def read_snapshot(path: str | os.PathLike[str]) -> ReadResult:
 def writer_alive(path: str | os.PathLike[str]) -> bool:
     """Whether a writer still holds the store (a failed probe reads as alive)."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = open_above_stdio(path, _OPEN_FLAGS)
     except OSError:
         return True
     try:

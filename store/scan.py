@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Final, NamedTuple
 
 from store import native
+from store.fds import open_above_stdio
 from store.layout import STORE_SIZE, is_store_name
 from store.reader import Unreadable, foreign_owner, not_regular, open_failure
 
@@ -56,7 +57,7 @@ class Entry(NamedTuple):
 
 def _one(dir_fd: int, name: str, euid: int) -> Entry:
     try:
-        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+        fd = open_above_stdio(name, _OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         err = exc.errno or 0
         outcome = MISSING if err == errno.ENOENT else UNREADABLE
@@ -92,7 +93,7 @@ def scan_python(directory: str | os.PathLike[str]) -> list[Entry]:
     # Listed first, then one directory descriptor for the opens: as in C, the
     # listing needs one free descriptor and the opens a second.
     names = sorted(name for name in os.listdir(directory) if is_store_name(name))
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    dir_fd = open_above_stdio(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         euid = os.geteuid()
         return [_one(dir_fd, name, euid) for name in names]

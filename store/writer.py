@@ -30,6 +30,7 @@ from typing import Any, Final
 
 from store import layout as L
 from store import recorders as hot
+from store.fds import open_above_stdio, stdio_occupied
 from store.metrics import EventType
 from store.recorders import (
     W_LAST_UPDATE,
@@ -146,14 +147,15 @@ class StoreWriter:
         if fd is None:
             fd = self._create_staged(path, pid, carry)
         self.pid, self.path, self._fd = pid, path, fd
-        self._mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with stdio_occupied():  # (mmap keeps a duplicate of fd: never on 0-2, see store.fds)
+            self._mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._words = memoryview(self._mm).cast("Q")
         self._attach()
 
     def _create_tmpfile(self, path: Path, pid: int, carry: bytes | None) -> int | None:
         """Nameless create + lock + init + link; None where O_TMPFILE is refused."""
         try:
-            fd = os.open(self.directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fd = open_above_stdio(self.directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)  # store.fds
         except OSError as exc:
             if exc.errno in _TMPFILE_UNSUPPORTED:
                 return None
@@ -163,7 +165,7 @@ class StoreWriter:
             # An explicit dst_dir_fd makes CPython call linkat() with
             # AT_SYMLINK_FOLLOW; plain link() would not resolve the magic
             # /proc link to our nameless inode and fail with EXDEV.
-            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = open_above_stdio(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=dir_fd, follow_symlinks=True)
             finally:
@@ -187,7 +189,7 @@ class StoreWriter:
         store.
         """
         staging = path.with_name(path.name + L.STAGING_SUFFIX)
-        fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_above_stdio(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             self._lock_and_init(fd, path, pid, carry)
             os.rename(staging, path)
@@ -201,7 +203,9 @@ class StoreWriter:
         self.locked = _flock_store(fd, path)
         os.fchmod(fd, 0o600)  # the umask can only narrow 0600, but be explicit
         _reserve(fd)
-        with mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+        with stdio_occupied():
+            mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with mm:
             ident = self.identity
             L.HEADER_STRUCT.pack_into(
                 mm, L.VERSION_FIELD[0], L.SCHEMA_VERSION, L.SLOT_COUNT, pid, time.monotonic_ns(),

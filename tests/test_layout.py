@@ -209,12 +209,11 @@ def test_the_serving_helper_loads_no_rank_code(tmp_path: Path) -> None:
     code = f"""
 import os, socket, http.client, json
 from pathlib import Path
-from app.rank.helper import HelperArgs, _serve
+from app.rank.helper import HelperArgs, _import_serving, _serve
 listener = socket.create_server(("127.0.0.1", 0))
-args = HelperArgs(for_pid=os.getppid(), address="127.0.0.1:1", directory=Path({str(tmp_path)!r}),
-                  listener_fd=listener.fileno(), channel_fd=-1, lock_fd=None, problem=None, agent_name="a",
-                  stale_ttl_s=30.0, serving_since=None, replaced_at=1.0, log_level=30)
-server, thread, linger = _serve(args, listener)
+args = HelperArgs(for_pid=os.getppid(), address="127.0.0.1:1", directory=Path({str(tmp_path)!r}), has_lock=False,
+                  problem=None, agent_name="a", stale_ttl_s=30.0, serving_since=None, replaced_at=1.0, log_level=30)
+server, thread, linger = _serve(_import_serving(), args, listener, None)
 connection = http.client.HTTPConnection(*listener.getsockname(), timeout=10)
 connection.request("GET", "/healthz")
 doc = json.loads(connection.getresponse().read())
@@ -227,14 +226,12 @@ server.shutdown()
 
 
 def test_helper_args_read_back_what_they_write() -> None:
-    from app.rank.helper import HELPER_COMMAND, HelperArgs
+    from app.rank.helper import HelperArgs
 
-    args = HelperArgs(for_pid=12, address="127.0.0.1:9090", directory=Path("/run/x"), listener_fd=3, channel_fd=4,
-                      lock_fd=None, problem="no lock", agent_name=None, stale_ttl_s=2.5, serving_since=1.5,
-                      replaced_at=None, log_level=20)
-    argv = args.argv()
-    assert argv[:3] == [HELPER_COMMAND, "--for-pid", "12"]  # what ps shows
-    assert HelperArgs.parse(argv[1:]) == args
+    args = HelperArgs(for_pid=12, address="127.0.0.1:9090", directory=Path("/run/x"), has_lock=False,
+                      problem="no lock", agent_name=None, stale_ttl_s=2.5, serving_since=1.5, replaced_at=None,
+                      log_level=20)
+    assert HelperArgs.from_json(json.loads(json.dumps(args.to_json()))) == args  # as the channel carries it
 
 
 # -- every loopback request goes straight to the address --------------------------------------------------------

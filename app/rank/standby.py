@@ -5,18 +5,28 @@ process's one :class:`election.standby.LockWaiter` for that lock file blocks in 
 is gone, then offers the win to each endpoint standing by for it, in the order they stood by, until one
 takes it over.  Nobody standing by any more: the waiter is detached (bounded, from anywhere: see
 election.standby), so ``close()`` never waits for the owner to die.
+
+One holder never lets go by itself: a serving helper that is stopped (SIGSTOP, a debugger) when its rank
+dies.  Its own watch of the rank cannot run, and its rank, which would have replaced it, is gone.  So while
+a waiter waits, every ORPHAN_CHECK_S a thread of the process looks at the lock's holder, and SIGKILLs such a
+helper (this user's only): it holds the lock for no one, and the waiter takes the address over at once.  A
+helper that lingers for departed ranks by design runs, and is never one (app.probe.stopped_orphan_helpers).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
+from app.logsink import never_block_on_logs
+from app.probe import helper_of, process_state, stopped_orphan_helpers
 from election.standby import LockWaiter
+from store.fds import above_stdio
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
 
@@ -28,6 +38,7 @@ RESTART_AFTER_S = 5.0
 # Like every lock of the rank's side, taken with a timeout: close() may run in a signal handler that
 # interrupted this very thread while it held it.
 _LOCK_WAIT_S = 1.0
+ORPHAN_CHECK_S = 0.5  # how often a process with a waiter looks for a stopped helper holding the lock for no one
 
 
 class Standing(Protocol):
@@ -45,6 +56,7 @@ _lock = threading.RLock()
 _standing: list[Standing] = []
 _waiters: dict[Path, LockWaiter] = {}
 _failed_at: dict[Path, float] = {}
+_orphan_watch: threading.Thread | None = None
 
 
 def stand_by(endpoint: Standing) -> None:
@@ -73,8 +85,53 @@ def stand_by(endpoint: Standing) -> None:
                      path.name, exc)
             return
         _waiters[path] = waiter
+        _watch_orphans()
     finally:
         _lock.release()
+
+
+def _watch_orphans() -> None:
+    """(Under _lock) have the orphan watch run while a waiter waits."""
+    global _orphan_watch
+    if _orphan_watch is not None and _orphan_watch.is_alive():
+        return
+    thread = threading.Thread(target=_kill_stopped_orphans, name="nixl-standby-orphans", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # out of threads: a stopped orphan then holds the address until it runs again
+        return
+    _orphan_watch = thread
+
+
+def _kill_stopped_orphans() -> None:
+    never_block_on_logs()
+    while True:
+        time.sleep(ORPHAN_CHECK_S)
+        with _lock:
+            paths = [path for path, waiter in _waiters.items() if waiter.waiting]
+            if not paths:
+                return
+        for path in paths:
+            for pid in stopped_orphan_helpers(path):
+                _kill_orphan(pid, path)
+
+
+def _kill_orphan(pid: int, path: Path) -> None:
+    try:
+        pidfd = above_stdio(os.pidfd_open(pid))
+    except OSError:
+        return
+    try:
+        rank = helper_of(pid)  # looked at again through the pidfd's pid: still that helper, still stopped
+        if rank is None or process_state(pid) not in ("T", "t"):
+            return
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        return
+    finally:
+        os.close(pidfd)
+    log.warning("the serving helper (pid %d) of rank %d, which is gone, held %s while stopped; killed it, so that "
+                "a live rank takes the address over", pid, rank, path.name)
 
 
 def stand_down(endpoint: Standing) -> None:
@@ -117,8 +174,9 @@ def _offer(waiter: LockWaiter) -> None:
 
 def _after_fork_in_child() -> None:
     # election.standby's own hook has closed the waiters' descriptors; their threads do not exist here.
-    global _lock
+    global _lock, _orphan_watch
     _lock = threading.RLock()
+    _orphan_watch = None
     _standing.clear()
     _waiters.clear()
     _failed_at.clear()

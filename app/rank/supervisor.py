@@ -1,31 +1,43 @@
 """The rank's side of its serving helper: start it, watch it, restart it, stop it (HelperSupervisor).
 
-The serving helper is a child process that serves a rank's address outside the rank's interpreter; its
-program is app.rank.helper.
+The serving helper is a process that serves a rank's address outside the rank's interpreter; its program is
+app.rank.helper, and what passes between the two is app.rank.channel.
 
 A rank is someone else's program, with one GIL.  A serving thread inside it waits behind the host's own
 threads (a busy host makes scrapes 5-30x slower), makes the host wait behind each scrape, and goes down with
 a host that keeps its GIL in a long C call or is stopped: the whole directory's endpoint with it.  So an
-elected rank (app.rank.endpoint) serves from a child process of its own instead:
+elected rank (app.rank.endpoint) serves from a process of its own instead, which must be as harmless to its
+host as a thread (a good guest):
 
-* The rank wins the election and binds, exactly as without a helper, then starts ``python -m app serving-helper``
-  (an exec through subprocess, never a bare fork of the host), handing it the listener and the election's
-  lock descriptor.  The lock belongs to the open file description, which both now hold: the address stays
-  elected while either lives, and the port bound.
-* The helper runs the same collector and WSGI app; it records nothing and has no store.  It is in a session
-  of its own and ignores the terminal's signals (Ctrl-C, a closed terminal, Ctrl-Z are for the rank), and
-  its command line says whom it serves.
-* It never outlives its rank: it polls a pidfd of the rank (readable once the whole process has exited,
-  whichever of its threads started the helper, however it died) and exits at once.  PR_SET_PDEATHSIG would
-  follow the creating thread instead: a takeover on a short-lived thread would kill the helper with it.
-  A pidfd names the rank's pid only, so a child the rank forks is never mistaken for it.
-* The rank's side (HelperSupervisor) waits for the helper on a thread blocked in poll() on the helper's
-  pidfd, which costs the host's GIL nothing, restarts it with a bounded backoff when it dies, and reaps only
-  that child, through its pidfd (never waitpid(-1)): a host that ignores SIGCHLD, or reaps children in its
-  own handler, reaps it first, which is then simply done.
-* The rank serves from a thread until the helper says it is ready, and again whenever the helper is gone,
-  so neither a takeover nor a helper's restart waits for an interpreter to start: the listener is shared,
-  the thread stops accepting once the helper does, and what waits in the backlog is the helper's.
+* **Started by exec, never a bare fork of the host**: ``python [the rank's interpreter flags] -c BOOTSTRAP
+  serving-helper --for-pid PID`` (subprocess, with every other descriptor closed, in a session of its own,
+  in ``/``).  Its command line says that and no more (``ps`` shows it to every local user); the rest comes
+  over the channel, its stdin: the bootstrap (the rank's own ``sys.path``, the standard library first, so it
+  imports the very code the rank runs whatever PYTHONPATH or the working directory say), then the state.
+* **Nobody's child in the host**: the process started (the launcher) forks the helper and exits as soon as
+  the helper is ready (or with its status, if it failed first): the rank reaps the launcher, and init (or
+  the nearest subreaper) the helper.  A host that waits for all its children, or execs another program,
+  never waits for the helper nor leaves it a zombie.  The supervisor watches it through a pidfd, which works
+  for any process.
+* **Given nothing before it watches its rank**: the listener and the lock travel over the channel
+  (SCM_RIGHTS) once the helper holds a pidfd of the rank, so a rank that dies while its helper starts leaves
+  its standbys a free lock at once.
+* **Never outlives its rank** (unless it lingers for departed ranks by design, app.rank.linger): it polls the
+  rank's pidfd (whichever of the rank's threads started it, however it died) and the channel, whose end of
+  file says the rank died or exec'd.  PR_SET_PDEATHSIG would need the helper to be the rank's child.
+* **Answers, or is replaced**: the supervisor pings it every PING_S and replaces one that does not answer
+  within PING_TIMEOUT_S (stopped, under a debugger).  A stopped helper whose rank is gone cannot be helped
+  by anyone in the rank: a standby kills it (app.rank.standby).
+* **Never has more privileges than its rank**: at every ping its uids, gids, groups and capabilities
+  (/proc) are compared with this thread's; a rank that dropped some (setresuid) gets a new helper started
+  with what it has now.  A kill the kernel refuses (EPERM: the helper is another user's now) is said, and
+  the helper is told over the channel to quit, which it does.
+* **Logs through the rank's logging, never blocking**: its records come over the channel and are handled by
+  the rank's loggers (app.logsink: from a thread that alone may wait for the host's log sink).
+
+The rank serves from a thread until the helper says it is ready, and again whenever the helper is gone, so
+neither a takeover nor a helper's restart waits for an interpreter to start: the listener is shared, the
+thread stops accepting once the helper does, and what waits in the backlog is the helper's.
 """
 
 from __future__ import annotations
@@ -33,12 +45,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -46,38 +54,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from app.probe import exit_words
-from app.rank.helper import LEAVE, READY, WATCH_S, HelperArgs
+from app.logsink import emit_later, never_block_on_logs
+from app.probe import credentials, exit_words, privileges_beyond
+from app.rank.channel import (
+    ERROR,
+    LEAVE,
+    LOG,
+    MAX_MESSAGE,
+    PING,
+    PONG,
+    QUIT,
+    READY,
+    TRANSIENT_EXIT,
+    WATCHING,
+    decode_record,
+    state_message,
+)
+from app.rank.helper import WATCH_S, HelperArgs
+from app.rank.spawn import KILL_WAIT_S, HelperProcess, StartFailed, bootstrap, launch, readable
+from app.rank.spawn import helper_unusable as helper_unusable
 from app.server import holding_off_fork
+from store.fds import above_stdio
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.helper")
 _warner = OnceWarner(log)
 
-READY_TIMEOUT_S = 30.0  # a helper that has not said it is ready by then is given up (the thread serves)
-KILL_WAIT_S = 2.0  # how long stopping waits for a SIGKILLed helper to be gone (it frees the port then)
+READY_TIMEOUT_S = 30.0  # a helper that has not said it is ready by then is killed (and another one tried later)
 RESTART_BACKOFF_MIN_S, RESTART_BACKOFF_MAX_S = 0.05, 5.0  # between restarts of a helper that keeps dying
 STABLE_S = 10.0  # a helper that served this long before it died is restarted at once
-# sys.executable names the interpreter only where it is one: an embedded interpreter (uWSGI, a C++ host) sets it
-# to its own program, or to nothing, and exec'ing that with "-m app serving-helper" would start who knows what.
-_INTERPRETER_NAME = re.compile(r"(python|pypy)[0-9.]*(d|dm|m|t)?(\.exe)?", re.IGNORECASE)
-# The directory holding this package, put first on the helper's sys.path (it runs there): the helper imports the
-# very code the rank runs, whatever the rank's working directory holds.
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-
-
-def helper_unusable() -> str | None:
-    """Why no serving helper can run from this interpreter, or None when one can."""
-    executable = sys.executable
-    if not executable:
-        return "the interpreter does not know its own executable (sys.executable is empty)"
-    if not _INTERPRETER_NAME.fullmatch(os.path.basename(executable)):
-        return f"sys.executable ({executable}) is not a Python interpreter (an embedded interpreter?)"
-    if not os.access(executable, os.X_OK):
-        return f"sys.executable ({executable}) is not executable"
-    if not hasattr(os, "pidfd_open"):
-        return "this platform has no pidfd (Linux 5.3 or later is needed)"
-    return None
+PING_S = 0.5  # how often the supervisor asks the helper whether it answers
+PING_TIMEOUT_S = 2.0  # a helper that has not answered a ping this long after it was sent is replaced
 
 
 @dataclass(frozen=True)
@@ -99,53 +106,6 @@ class HelperState:
     problem: str | None  # why the lock is unusable, for /healthz
     serving_since: float | None
     replaced_at: float | None  # when the rank found its directory replaced, for /healthz
-
-
-# -- the rank's side ------------------------------------------------------------------------------------------
-
-
-class _Child:
-    """One helper process: its Popen, its pidfd and the rank's end of the readiness channel."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], pidfd: int, channel: socket.socket) -> None:
-        self.proc, self.pidfd, self.channel = proc, pidfd, channel
-        self.started = time.monotonic()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, OSError):
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)  # the pidfd never names a reused pid
-
-    def wait_gone(self, timeout_s: float) -> bool:
-        """Whether the process has exited (its descriptors, the listener's copy among them, are closed)."""
-        try:
-            return _readable(self.pidfd, timeout_s)
-        except OSError:
-            return True
-
-    def reap(self) -> int | None:
-        """Reap this child (only it); its exit status as Popen reports it, None if someone else reaped it."""
-        try:
-            result = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
-        except ChildProcessError:  # a host that ignores SIGCHLD or reaps in its own handler got there first
-            self.proc.returncode = 0  # Popen must not try to reap (or remember to reap) a pid no longer ours
-            return None
-        if result is None:  # not gone yet (it did not die within KILL_WAIT_S of SIGKILL): Popen reaps it later
-            return None
-        status = -result.si_status if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else result.si_status
-        self.proc.returncode = status
-        return status
-
-    def close(self) -> None:
-        fd, self.pidfd = self.pidfd, -1  # forget the number first: see forget_after_fork
-        if fd >= 0:
-            os.close(fd)
-        self.channel.close()
-
-
-def _readable(fd: int, timeout_s: float | None) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
 
 
 class HelperHost(Protocol):
@@ -176,7 +136,7 @@ class HelperSupervisor:
         self._ready = threading.Event()  # the current helper accepts connections
         self._leaving = threading.Event()  # the rank left the address to it: it is not ours to stop or restart
         self._lock = threading.RLock()  # reentrant: stop() may run in a signal handler that interrupted stop()
-        self._child: _Child | None = None
+        self._child: HelperProcess | None = None
         self._thread = threading.Thread(target=self._run, name=f"nixl-metrics-{spec.address}-helper", daemon=True)
 
     @property
@@ -192,13 +152,14 @@ class HelperSupervisor:
         self._restart.set()
         with self._lock:
             if self._child is not None:
+                self._child.tell(QUIT)
                 self._child.kill()
 
     def stop(self, timeout_s: float = KILL_WAIT_S) -> None:
-        """Kill the helper and wait (bounded) until it is gone; from any thread, a signal handler included.
+        """Stop the helper and wait (bounded) until it is gone; from any thread, a signal handler included.
 
         When this returns, the helper holds neither the listener nor the lock any more (unless it could not
-        be killed within ``timeout_s``, which is logged).
+        be stopped within ``timeout_s``, which is logged).
         """
         self._stopping.set()
         if not self._lock.acquire(timeout=timeout_s):
@@ -208,20 +169,38 @@ class HelperSupervisor:
         try:
             child = self._child
             if child is not None:
-                child.kill()
-                if not child.wait_gone(timeout_s):
-                    log.warning("the serving helper of %s (pid %d) did not exit within %.0f s of SIGKILL; the "
-                                "port is free once it does", self.spec.address, child.proc.pid, timeout_s)
+                self._end(child, timeout_s)
         finally:
             self._lock.release()
         if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def _end(self, child: HelperProcess, timeout_s: float) -> bool:
+        """Tell the helper to quit and SIGKILL it; whether it is gone within ``timeout_s``.
+
+        A kill the kernel refuses (the helper runs as another user since its rank dropped privileges) is said;
+        the helper still quits as it is told over the channel.
+        """
+        child.tell(QUIT)
+        with contextlib.suppress(OSError):
+            child.channel.shutdown(socket.SHUT_WR)  # a helper still starting reads the end of file, and goes
+        refused = child.kill()
+        if refused is not None:
+            log.warning("cannot SIGKILL the serving helper of %s (%s): %s; it was told to exit over its channel",
+                        self.spec.address, child.name, refused)
+        gone = child.wait_gone(timeout_s)
+        if not gone:
+            log.warning("the serving helper of %s (%s) did not exit within %.0f s of SIGKILL; the port is free "
+                        "once it does", self.spec.address, child.name, timeout_s)
+        return gone
+
     def leave(self, timeout_s: float) -> bool:
-        """Leave the address to the helper, which decides whether to serve on for departed ranks (see main).
+        """Leave the address to the helper, which decides whether to serve on for departed ranks (see
+        app.rank.helper).
 
         Waits (bounded) for a helper that is starting.  True if the helper was told; from then on the
-        supervisor only reaps it.  False: no helper to leave it to (the caller stops as usual).
+        supervisor only forwards its logs until it is gone.  False: no helper to leave it to (the caller
+        stops as usual).
         """
         if not self._ready.wait(timeout_s):
             return False
@@ -232,7 +211,7 @@ class HelperSupervisor:
             if child is None or self._stopping.is_set() or not self._ready.is_set():
                 return False
             try:
-                child.channel.sendall(LEAVE)
+                child.channel.send(LEAVE)
             except OSError:
                 return False  # it is gone: nothing to leave the address to
             self._leaving.set()
@@ -245,136 +224,248 @@ class HelperSupervisor:
         child, self._child = self._child, None
         self._stopping.set()
         if child is not None:
-            child.proc.returncode = 0  # not this process's child: Popen must never wait for it here
-            with contextlib.suppress(OSError):
-                child.close()
+            child.launcher.returncode = 0  # not this process's child: Popen must never wait for it here
+            child.close()
 
     # -- the supervising thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        never_block_on_logs()
         try:
             self._supervise()
         except Exception:  # a bug of ours must cost the helper only: the endpoint serves from its thread again
             log.warning("the supervisor of the serving helper of %s failed; this process serves its telemetry "
                         "endpoint from a thread from now on", self.spec.address, exc_info=True)
             with self._lock:
-                child, self._child = self._child, None
+                child = self._child
             if child is not None:
+                child.tell(QUIT)
                 child.kill()
+                self._finish(child)
             self._host.helper_gone(self)
 
     def _supervise(self) -> None:
         backoff_s = 0.0
         while not self._stopping.is_set():
-            child = self._spawn()
-            if child is None:
-                return  # warned: the endpoint goes on serving from its thread
-            ready = self._await_ready(child)
-            if ready:
-                self._host.helper_ready(self)
-                self._ready.set()
-                self._watch(child)
+            child = None
+            try:
+                child = self._spawn()
+                if child is None:
+                    return  # the endpoint stopped serving meanwhile
+                self._start(child)
+            except StartFailed as failure:
+                if child is not None:  # killed and gone, reaped what is ours, closed (each step idempotent)
+                    self._end(child, KILL_WAIT_S)
+                    self._finish(child)
+                if self._stopping.is_set():
+                    return
+                if not failure.transient:
+                    _warner.warn(("not-ready", self.spec.address),
+                                 "the serving helper of %s %s before it was ready; this process serves its telemetry "
+                                 "endpoint from a thread instead, which a busy or stopped process holds up",
+                                 self.spec.address, failure.words)
+                    return
+                backoff_s = min(max(2 * backoff_s, RESTART_BACKOFF_MIN_S), RESTART_BACKOFF_MAX_S)
+                _warner.warn(("transient", self.spec.address),
+                             "the serving helper of %s could not start (%s); this process serves from a thread "
+                             "meanwhile and tries again, after a growing pause (at most %.0f s)",
+                             self.spec.address, failure.words, RESTART_BACKOFF_MAX_S)
+                if self._stopping.wait(backoff_s):
+                    return
+                continue
+            self._host.helper_ready(self)
+            self._ready.set()
+            ended = self._watch(child)
             self._ready.clear()
-            with self._lock:
-                self._child = None
-                status = child.reap()
-                lifetime_s = time.monotonic() - child.started
-                child.close()
+            lifetime_s = time.monotonic() - child.started
+            self._finish(child)
             if self._stopping.is_set() or self._leaving.is_set():
                 return
-            if not ready:
-                _warner.warn(("not-ready", self.spec.address),
-                             "the serving helper of %s (pid %d) %s before it was ready; this process serves its "
-                             "telemetry endpoint from a thread instead, which a busy or stopped process holds up",
-                             self.spec.address, child.proc.pid, exit_words(status))
-                return
             self._host.helper_gone(self)
-            if self._restart.is_set():
+            if ended == "privileges" and credentials("thread-self") == child.spawned_with:
+                _warner.warn(("privileges", self.spec.address),
+                             "a serving helper started by this process has privileges it does not have (%s); this "
+                             "process serves its telemetry endpoint from a thread instead", child.said)
+                return
+            if self._restart.is_set() or ended in ("privileges", "unresponsive"):
                 self._restart.clear()
                 backoff_s = 0.0
                 continue
             backoff_s = 0.0 if lifetime_s >= STABLE_S else min(max(2 * backoff_s, RESTART_BACKOFF_MIN_S),
                                                                  RESTART_BACKOFF_MAX_S)
-            log.warning("the serving helper of %s (pid %d) %s after %.1f s; this process serves from a thread "
-                        "meanwhile and starts a new helper in %.2f s", self.spec.address, child.proc.pid,
-                        exit_words(status), lifetime_s, backoff_s)
+            log.warning("the serving helper of %s (%s) %s after %.1f s; this process serves from a thread "
+                        "meanwhile and starts a new helper in %.2f s", self.spec.address, child.name,
+                        f"exited ({child.said})" if child.said else "is gone (killed, or it exited)", lifetime_s,
+                        backoff_s)
             if self._stopping.wait(backoff_s):
                 return
 
-    def _spawn(self) -> _Child | None:
-        env = dict(os.environ)
-        env.pop("PYTHONSAFEPATH", None)  # the helper finds this package through its working directory
-        # The endpoint's state is held still (its descriptors cannot be closed, and their numbers reused) until
-        # the helper has its copies.  A fork of the host while we spawn must find either none of the helper's
-        # descriptors or all of them recorded in self._child, which the fork hooks drop in the child.
-        with self._host.helper_state(self) as state, holding_off_fork():
-            if state is None:
-                return None  # the endpoint stopped serving meanwhile
-            try:
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            except OSError as exc:  # out of descriptors
-                self._cannot_start(exc)
+    def _finish(self, child: HelperProcess) -> None:
+        """Reap what is ours of a helper that is gone and close our descriptors of it, then forget it: under
+        holding_off_fork, so that a fork meanwhile finds them recorded (and closes its copies) or closed."""
+        if child.launcher_status is None and child.launcher_fd >= 0 and readable(child.launcher_fd, KILL_WAIT_S):
+            child.reap_launcher()  # (it exits once the helper is ready or gone, or was killed with it)
+        child.reap_helper()
+        with holding_off_fork(), self._lock:
+            child.close()
+            if self._child is child:
+                self._child = None
+
+    def _spawn(self) -> HelperProcess | None:
+        """Start the launcher; None if the endpoint stopped serving meanwhile."""
+        # Every descriptor made here is recorded in self._child before a fork of the host can see it: a child
+        # forked meanwhile finds all of them (and the fork hooks close them) or none.
+        with holding_off_fork():
+            if self._stopping.is_set():
                 return None
-            fds = [state.listener_fd, theirs.fileno()] + ([] if state.lock_fd is None else [state.lock_fd])
-            args = HelperArgs(
-                for_pid=os.getpid(), address=self.spec.address, directory=self.spec.directory,
-                listener_fd=state.listener_fd, channel_fd=theirs.fileno(), lock_fd=state.lock_fd,
-                problem=state.problem, agent_name=self.spec.agent_name, stale_ttl_s=self.spec.stale_ttl_s,
-                serving_since=state.serving_since, replaced_at=state.replaced_at,
-                log_level=logging.getLogger("nixl_prometheus_mp").getEffectiveLevel())
-            command = [sys.executable, "-m", "app", *args.argv()]
-            proc = None
-            try:
-                proc = subprocess.Popen(command, cwd=_PACKAGE_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, pass_fds=fds, start_new_session=True)
-                pidfd = os.pidfd_open(proc.pid)
-            except (OSError, subprocess.SubprocessError) as exc:  # no descriptors, processes or memory
-                ours.close()
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
-                self._cannot_start(exc)
-                return None
-            finally:
-                theirs.close()  # the helper's end is the helper's alone: its death is then the rank's EOF
-            child = _Child(proc, pidfd, ours)
+            child = launch()
             with self._lock:
                 self._child = child
-                if self._stopping.is_set():  # stop() ran while we were spawning: it could not see this child
-                    child.kill()
+        child.tell(bootstrap())
         return child
 
-    def _cannot_start(self, exc: BaseException) -> None:
-        _warner.warn(("spawn", self.spec.address),
-                     "cannot start the serving helper of %s (%s); this process serves its telemetry endpoint from "
-                     "a thread instead, which a busy or stopped process holds up", self.spec.address, exc)
-
-    def _await_ready(self, child: _Child) -> bool:
+    def _start(self, child: HelperProcess) -> None:
+        """Until the helper is ready: its pid, then the descriptors and the state, then ``R``.  StartFailed
+        (the helper killed and gone) if it is not."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
         poller = select.poll()
         poller.register(child.channel.fileno(), select.POLLIN)
-        poller.register(child.pidfd, select.POLLIN)
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        poller.register(child.launcher_fd, select.POLLIN)
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(left * 1000) + 1))
-            if child.pidfd in events:
-                return False
-            if child.channel.fileno() in events:
-                with contextlib.suppress(OSError):
-                    return child.channel.recv(1) == READY and not self._stopping.is_set()
-                return False
-        child.kill()
-        _warner.warn(("ready-timeout", self.spec.address),
-                     "the serving helper of %s (pid %d) was not ready within %.0f s; this process serves its "
-                     "telemetry endpoint from a thread instead", self.spec.address, child.proc.pid, READY_TIMEOUT_S)
-        child.wait_gone(KILL_WAIT_S)
-        return False
-
-    def _watch(self, child: _Child) -> None:
-        """Until the helper dies: the endpoint's periodic check, from a thread that holds no GIL in between."""
-        while not _readable(child.pidfd, WATCH_S):
-            if self._leaving.is_set():
-                _readable(child.pidfd, None)  # it serves on for departed ranks: only reap it when it is done
-                return
             if self._stopping.is_set():
-                return
-            self._host.watch()
+                raise StartFailed("was stopped", transient=False)
+            if child.channel.fileno() in events:
+                message = self._receive(child)
+                if message is None:
+                    break  # end of file: it died (its launcher says how)
+                if message.startswith(WATCHING):
+                    self._give(child, int(message[1:]))
+                    if child.pidfd >= 0:
+                        poller.register(child.pidfd, select.POLLIN)
+                elif message == READY:
+                    # Its launcher exits now: reaped before anything else, so that a host that execs another
+                    # program from here on leaves no child of ours to it.
+                    if child.launcher_status is None and readable(child.launcher_fd, KILL_WAIT_S):
+                        child.reap_launcher()
+                    return
+                continue
+            if child.launcher_fd in events:
+                if child.reap_launcher() != 0:
+                    break  # the helper failed (or its launcher did); a 0 comes with READY, read next
+                poller.unregister(child.launcher_fd)
+            if child.pidfd in events:
+                break
+        else:
+            raise StartFailed(f"was not ready within {READY_TIMEOUT_S:.0f} s", transient=True)
+        self._end(child, KILL_WAIT_S)
+        self._finish(child)  # (reaps the launcher: its status says how the helper ended)
+        status = child.launcher_status
+        words = exit_words(status) if status is not None else "exited"
+        if child.said:
+            words += f" ({child.said})"
+        raise StartFailed(words, transient=status == TRANSIENT_EXIT)
+
+    def _give(self, child: HelperProcess, pid: int) -> None:
+        """The helper watches its rank: record its pidfd, then send it the descriptors and the state."""
+        with holding_off_fork():
+            try:
+                child.pidfd = above_stdio(os.pidfd_open(pid))
+            except OSError:
+                return  # gone already (its launcher says how)
+            child.pid = pid
+        # The pid was the helper's when we opened the pidfd if the helper still holds its end of the channel
+        # now (nothing else does: the launcher closed its copy before it forked): no hang-up yet.
+        poller = select.poll()
+        poller.register(child.channel.fileno(), select.POLLIN)
+        if any(revents & select.POLLHUP for _, revents in poller.poll(0)):
+            return
+        with self._host.helper_state(self) as state:
+            if state is None:
+                raise StartFailed("was stopped", transient=False)
+            fds = [state.listener_fd] + ([] if state.lock_fd is None else [state.lock_fd])
+            args = HelperArgs(
+                for_pid=os.getpid(), address=self.spec.address, directory=self.spec.directory,
+                has_lock=state.lock_fd is not None, problem=state.problem, agent_name=self.spec.agent_name,
+                stale_ttl_s=self.spec.stale_ttl_s, serving_since=state.serving_since, replaced_at=state.replaced_at,
+                log_level=logging.getLogger("nixl_prometheus_mp").getEffectiveLevel())
+            with contextlib.suppress(OSError):  # gone meanwhile: its pidfd says so
+                socket.send_fds(child.channel, [state_message(args.to_json())], fds)
+
+    def _receive(self, child: HelperProcess) -> bytes | None:
+        """One message from the helper, its logs re-emitted through ours; None at the end of file."""
+        try:
+            message = child.channel.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b""
+        except OSError:
+            return None
+        if not message:
+            return None
+        if message.startswith(LOG):
+            record = decode_record(message[1:], child.pid or 0)
+            if record is not None:
+                emit_later(record)
+        elif message.startswith(ERROR):
+            child.said = message[1:].decode(errors="replace")
+        return message
+
+    def _watch(self, child: HelperProcess) -> str:
+        """Until the helper is gone or must go; why: gone, unresponsive, privileges, stopping, left."""
+        poller = select.poll()
+        poller.register(child.pidfd, select.POLLIN)
+        poller.register(child.channel.fileno(), select.POLLIN)
+        if child.launcher_status is None and child.launcher_fd >= 0:
+            poller.register(child.launcher_fd, select.POLLIN)
+        now = time.monotonic()
+        next_ping, next_watch, pinged_at = now + PING_S, now + WATCH_S, None
+        while True:
+            # Once the address was left to it, nothing is due: only its logs, and its end, are waited for.
+            timeout = None if self._leaving.is_set() else max(0, int((min(next_ping, next_watch) - time.monotonic())
+                                                                     * 1000)) + 1
+            events = dict(poller.poll(timeout))
+            if child.launcher_fd in events:
+                child.reap_launcher()
+                poller.unregister(child.launcher_fd)
+            if child.pidfd in events:
+                return "gone"
+            if child.channel.fileno() in events:
+                while (message := self._receive(child)):
+                    if message == PONG:
+                        pinged_at = None
+                if message is None:  # end of file: it is exiting
+                    child.wait_gone(KILL_WAIT_S)
+                    return "gone"
+            if self._leaving.is_set():  # it serves on for departed ranks: only forward its logs until it is done
+                continue
+            if self._stopping.is_set():
+                return "stopping"
+            now = time.monotonic()
+            if pinged_at is not None and now - pinged_at > PING_TIMEOUT_S:
+                return self._replace(child, "unresponsive", f"has not answered for {PING_TIMEOUT_S:.0f} s "
+                                     "(stopped, or under a debugger?)")
+            if now >= next_ping:
+                next_ping = now + PING_S
+                if pinged_at is None:
+                    pinged_at = now
+                    child.tell(PING)
+                beyond = self._privileges_beyond(child)
+                if beyond is not None:
+                    child.said = beyond
+                    return self._replace(child, "privileges", f"has privileges this process no longer has ({beyond})")
+            if now >= next_watch:
+                next_watch = now + WATCH_S
+                self._host.watch()
+
+    def _replace(self, child: HelperProcess, reason: str, words: str) -> str:
+        log.warning("the serving helper of %s (%s) %s; this process replaces it", self.spec.address, child.name, words)
+        self._end(child, KILL_WAIT_S)
+        return reason
+
+    @staticmethod
+    def _privileges_beyond(child: HelperProcess) -> str | None:
+        helper = credentials(child.pid) if child.pid is not None else None
+        rank = credentials("thread-self")
+        if helper is None or rank is None:
+            return None  # gone (its pidfd says so next), or no /proc: nothing to compare
+        return privileges_beyond(helper, rank)
