@@ -95,7 +95,7 @@ def _watch_orphans() -> None:
     global _orphan_watch
     if _orphan_watch is not None and _orphan_watch.is_alive():
         return
-    thread = threading.Thread(target=_kill_stopped_orphans, name="nixl-standby-orphans", daemon=True)
+    thread = threading.Thread(target=_kill_stopped_orphans, name="nixl-orphan-watch", daemon=True)
     try:
         thread.start()
     except RuntimeError:  # out of threads: a stopped orphan then holds the address until it runs again

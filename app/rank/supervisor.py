@@ -327,6 +327,11 @@ class HelperSupervisor:
     def _start(self, child: HelperProcess) -> None:
         """Until the helper is ready: its pid, then the descriptors and the state, then ``R``.  StartFailed
         (the helper killed and gone) if it is not."""
+        # A stop() that came while the launcher started found no child to kill, and nothing would wake the
+        # poll below until the helper spoke (an interpreter's start): it is seen here, once _spawn recorded
+        # the child under the lock stop() takes after setting the flag.
+        if self._stopping.is_set():
+            raise StartFailed("was stopped", transient=False)
         deadline = time.monotonic() + READY_TIMEOUT_S
         poller = select.poll()
         poller.register(child.channel.fileno(), select.POLLIN)
