@@ -4,15 +4,14 @@ root_owned_dir."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support import directory_for
 
 import store
 from store import StoreIdentity, StoreWriter
@@ -105,17 +104,9 @@ def recording_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 
 @pytest.fixture
 def root_owned_dir() -> Iterator[Path]:
-    """A root-owned 0755 directory that uid 65534 can reach (pytest's tmp_path is 0700) but not write."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a directory another uid cannot write")
-    top = Path(tempfile.mkdtemp(prefix="nixl-unwritable-"))
-    try:
-        top.chmod(0o755)
-        (top / "mp").mkdir()
-        (top / "mp").chmod(0o755)
-        yield top / "mp"
-    finally:
-        shutil.rmtree(top)
+    """A root-owned 0755 directory that uid 65534 can reach but not write."""
+    with directory_for("nixl-unwritable-", 0o755) as directory:
+        yield directory
 
 
 # TEST_SERVE_MODES=helper narrows the serving modes (.ci/run's runs on the pure-Python twins and the other

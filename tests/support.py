@@ -17,6 +17,7 @@ import gzip
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import ssl
@@ -48,6 +49,24 @@ SeriesKey = tuple[str, frozenset[tuple[str, str]]]
 
 
 # -- ports ----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def directory_for(prefix: str, mode: int, uid: int | None = None) -> Iterator[Path]:
+    """An ``mp`` directory of ``mode`` (owned by ``uid``, else root's) that any uid can reach: pytest's tmp_path
+    is root's and 0700.  Needs root; skips the test otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory of another uid's, or one another uid cannot write")
+    top = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        top.chmod(0o755)
+        (top / "mp").mkdir()
+        (top / "mp").chmod(mode)
+        if uid is not None:
+            os.chown(top / "mp", uid, uid)
+        yield top / "mp"
+    finally:
+        shutil.rmtree(top)
 
 
 def free_port() -> int:

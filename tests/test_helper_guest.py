@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import textwrap
 import time
 import zipapp
@@ -32,6 +31,7 @@ from support import (  # noqa: F401  (pytest fixtures)
     Reaper,
     can_bind,
     child_env,
+    directory_for,
     exporter_env,
     free_port,
     healthz,
@@ -52,17 +52,9 @@ UNPRIVILEGED = 54321  # a uid (and gid) no other process of the machine uses
 
 @pytest.fixture
 def unprivileged_dir() -> Iterator[Path]:
-    """A 0700 directory of UNPRIVILEGED's, which that uid can reach (pytest's tmp_path is root's, 0700)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a rank as another uid")
-    top = Path(tempfile.mkdtemp(prefix="nixl-guest-"))
-    try:
-        top.chmod(0o755)
-        (top / "mp").mkdir(mode=0o700)
-        os.chown(top / "mp", UNPRIVILEGED, UNPRIVILEGED)
-        yield top / "mp"
-    finally:
-        shutil.rmtree(top)
+    """A 0700 directory of UNPRIVILEGED's, which that uid can reach."""
+    with directory_for("nixl-guest-", 0o700, UNPRIVILEGED) as directory:
+        yield directory
 
 
 # An interpreter every uid can run (the test's may live under root's 0700 home), with this package and the
