@@ -49,7 +49,7 @@ def emit_later(record: logging.LogRecord) -> None:
     with _lock:
         if _emitter is not None:
             return
-        thread = threading.Thread(target=_emit, name="nixl-metrics-log", daemon=True)
+        thread = threading.Thread(target=_emit, name="nixl-log", daemon=True)
         try:
             thread.start()
             _emitter = thread

@@ -188,13 +188,16 @@ class ScrapeEndpoint:
             if isinstance(exc, OSError) and exc.errno is not None:
                 return TakeOver(Claim.UNBOUND, bind_error=exc)
             return TakeOver(Claim.SHORT, reason=f"{type(exc).__name__}: {exc}")
+        # Serving from here (the thread server answers already, naming this process the owner): ``serving`` says
+        # so from the same instant, and stops saying it if the election is not ours after all.
+        self._listener = listener
         if not adopt():
             server, self._server = self._server, None
+            self._listener = None
             if server is not None:
                 server.stop()
             close_listener(listener)
             return TakeOver(Claim.LOST)
-        self._listener = listener
         self.serving_since = time.time()
         no_helper = self._start_helper()
         if self._closed:  # close() ran in a signal handler while we were taking over: undo it all
