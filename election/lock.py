@@ -150,13 +150,19 @@ class OwnerElection:
         Someone removed the directory (or the file) and a new one took its place:
         ranks starting now elect on the new file and could win it while we serve.
         """
-        if not self.held or self._fd is None:
+        fd = self._fd  # once: a close() in a signal handler may release the election between two reads
+        if not self.held or fd is None:
             return False
         try:
             current = os.stat(self.path, follow_symlinks=False)
         except OSError:
             return True  # gone (or unreachable): not what we hold either
-        return not os.path.samestat(current, os.fstat(self._fd))
+        try:
+            held = os.fstat(fd)
+        except OSError:
+            return False  # released meanwhile: nothing is held to be replaced
+        # (released meanwhile and the number reused: what it names now is not ours to judge)
+        return self._fd == fd and not os.path.samestat(current, held)
 
     def move_to_current(self) -> bool:
         """While held: lock the file now at our path instead of the one we hold.

@@ -287,7 +287,23 @@ SIGNALLED_TAKEOVERS = """
             done += 1
     pelter.kill()
     pelter.wait()
-    serving_threads = [t.name for t in threading.enumerate() if t.name.startswith("nixl-metrics")]
+    # The last writer's close may have left the address to its helper, which serves the job's last values once
+    # (its supervisor thread forwards its logs until it goes): take them as Prometheus would, then the helper
+    # and every thread of ours must go.
+    import http.client
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", int(os.environ["NIXL_TELEMETRY_PROMETHEUS_PORT"]), timeout=5)
+        conn.request("GET", "/metrics")
+        conn.getresponse().read()
+        conn.close()
+    except OSError:
+        pass  # nothing lingers
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        serving_threads = [t.name for t in threading.enumerate() if t.name.startswith("nixl-metrics")]
+        if not serving_threads:
+            break
+        time.sleep(0.05)
     say(iterations=done, handled=handled[0], threads=serving_threads)
 """
 
