@@ -10,7 +10,16 @@ import threading
 import time
 
 import pytest
-from support import can_bind, exporter_env, free_port, http_request, metrics_url, wait_until, wait_until_settled
+from support import (
+    can_bind,
+    exporter_env,
+    free_port,
+    http_request,
+    metrics_url,
+    try_scrape,
+    wait_until,
+    wait_until_settled,
+)
 from support_reliability import lock_is_free
 
 from app import Exporter
@@ -120,8 +129,11 @@ def test_concurrent_close_is_idempotent_and_leaves_nothing_running(tmp_dir, lock
     assert took < 3, f"close() took {took:.1f} s"
     exp.close()  # once more: a no-op
     assert not exp.serving
-    assert can_bind(port), "the port is still bound after close()"
-    assert lock_is_free(lock), "the election lock is still held after close()"
+    # A helper that was ready when close() came stays on for this rank's last values until they are served
+    # (app.rank.linger): take them, as Prometheus's next scrape would; then nothing is left.
+    try_scrape(port)
+    wait_until(lambda: can_bind(port), 3.0, message="the port free after close() and the last values' scrape")
+    wait_until(lambda: lock_is_free(lock), 3.0, message="the election lock free after close()")
     assert lock_probe(exp.store_path), "the store lock is still held after close()"
     slow.settimeout(5)  # cut by close(), not left to its 10 s timeout: a socket.timeout here fails the test
     with contextlib.suppress(ConnectionResetError):

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import listening_socket, open_direct
+from support import listening_socket, open_direct, try_scrape
 from support_e2e import (
     REPO,
     VENV_BIN,
@@ -372,7 +372,9 @@ def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> Non
         agg.wait_line(lambda s: "holds the owner election" in s and "[WARNING]" in s, 20)
         assert rank.stop() == 0
         (store,) = directory.glob("nixl.*.mmap")  # the departed rank's, left for the aggregator to reap
-        http_get(f"http://127.0.0.1:{port}/metrics")  # the rank's helper, on for its last values, leaves once served
+        # The rank's helper, if it was ready when the rank closed, stays on for its last values until they are
+        # served (a helper still starting was stopped with the rank, and nothing answers now).
+        try_scrape(port)
         health = wait_until(lambda: (d := get_json(f"http://127.0.0.1:{port}/healthz", timeout=1))["owner"][
             "mode"] == "standalone" and d, 20, "the aggregator to serve")
         assert health["owner"]["pid"] == agg.pid
@@ -394,7 +396,7 @@ def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path
         # ... and once the rank is gone, it takes the address over: once the rank's helper, which stays on for
         # the departed rank's last values, has served them (a scrape, as Prometheus's next one).
         rank.stop()
-        http_get(f"http://127.0.0.1:{port}/metrics")
+        try_scrape(port)  # (nothing answers if the rank's helper was still starting: it went with the rank)
 
         def aggregator_owner() -> dict[str, object] | None:
             owner = get_json(f"http://127.0.0.1:{port}/healthz", timeout=1)["owner"]
@@ -540,7 +542,9 @@ def test_waiting_aggregator_names_each_new_holder(tmp_path: Path) -> None:
                          stdin=True)
         wait_until(lambda: blocked_on_flock(second.pid), 20, "the second holder to wait for the lock")
         first.stop()
-        http_get(f"http://127.0.0.1:{port}/metrics")  # the rank's helper, on for its last values, leaves once served
+        # The rank's helper, if it was ready when the rank closed, stays on for its last values until they are
+        # served (a helper still starting was stopped with the rank, and nothing answers now).
+        try_scrape(port)
         second.wait_line(lambda s: s == "ready", 20)
         line = agg.wait_line(lambda s: f"pid {second.pid} (serving 127.0.0.1:{port} without /healthz" in s, 20)
         assert f"holds the owner election of 127.0.0.1:{port}; the aggregator waits" in line, line
