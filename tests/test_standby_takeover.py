@@ -58,8 +58,12 @@ def test_idle_standbys_take_over_from_each_killed_owner_without_recording(tmp_di
     owner = wait_until(lambda: owner_pid(port), timeout=TAKEOVER_BOUND_S)
     for _ in range(3):  # three successive owners die; nobody records a thing
         ranks.pop(owner).kill()
-        owner = wait_for_new_owner(port, ranks, owner)
-        assert ranks[owner].serving()
+        wait_for_new_owner(port, ranks, owner)
+        # The rank /healthz names says it serves.  Asked a moment later, through its own channel: CI saw, once in
+        # some hundred runs on a loaded machine, the named rank no longer serving at that moment, so the check
+        # is that the owner /healthz names and the rank that says it serves agree within the bound.
+        owner = wait_until(lambda: (pid := owner_pid(port)) in ranks and ranks[pid].serving() and pid,
+                           timeout=TAKEOVER_BOUND_S, message="the rank /healthz names to say it serves")
 
 
 @pytest.mark.usefixtures("serve_mode", "nixl_required")
