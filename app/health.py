@@ -27,13 +27,14 @@ def _iso(timestamp: float) -> str:
 
 
 def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, flock: bool,
-              since: float | None, server_pid: int, serving: str,
-              lingering: dict[str, Any] | None = None) -> dict[str, Any]:
+              since: float | None, server_pid: int, serving: str, started_by: int | None = None,
+              log_file: str | None = None) -> dict[str, Any]:
     """/healthz's ``owner``: who holds this address's election, how it was elected, since when, and which
-    process answers (``server_pid``) how (``serving``: "helper", "thread" or, standalone, "gunicorn").
+    process answers (``server_pid``) how (``serving``: "helper" for a rank's address server, "thread" or,
+    standalone, "gunicorn").
 
-    ``lingering`` (a helper whose rank is gone, serving the departed ranks' last values: app.rank.linger):
-    since and until when (wall-clock seconds), and for how many departed ranks.
+    ``started_by``: the rank that started the address server (it may be gone: the server is the job's);
+    ``log_file``: where the server's records go once that rank is gone (None while they go to its logging).
     """
     return {
         "pid": pid,
@@ -45,9 +46,8 @@ def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, floc
         "serving_since": None if since is None else _iso(since),
         "server_pid": server_pid,
         "serving": serving,
-        "lingering": None if lingering is None else {
-            "since": _iso(lingering["since"]), "until": _iso(lingering["until"]),
-            "departed": lingering["departed"]},
+        "started_by": started_by,
+        "log_file": log_file,
     }
 
 

@@ -122,104 +122,20 @@ def die_with_parent(parent_pid: int | None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# -- a serving helper, seen from outside ------------------------------------------------------------------------
+# -- an address server, seen from outside ----------------------------------------------------------------------
 
-HELPER_MARK = "serving-helper"  # a serving helper's command line ends "serving-helper --for-pid PID" (and says no more)
-_CREDENTIAL_FIELDS = ("Uid", "Gid", "Groups")
-_CAPABILITY_FIELDS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
+HELPER_MARK = "serving-helper"  # an address server's command line ends "serving-helper ADDRESS" (and says no more)
 
 
-def helper_command(for_pid: int) -> list[str]:
-    """The arguments a serving helper's command line ends with."""
-    return [HELPER_MARK, "--for-pid", str(for_pid)]
+def helper_command(address: str) -> list[str]:
+    """The arguments an address server's command line ends with."""
+    return [HELPER_MARK, address]
 
 
-def helper_of(pid: int) -> int | None:
-    """The rank whose serving helper process ``pid`` is (from its command line), None if it is none."""
+def is_address_server(pid: int) -> bool:
+    """Whether process ``pid`` runs an address server (from its command line)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return None
-    mark = [arg.decode(errors="replace") for arg in argv[-4:-1]]
-    if len(mark) == 3 and mark[:2] == [HELPER_MARK, "--for-pid"] and mark[2].isdigit():
-        return int(mark[2])
-    return None
-
-
-def credentials(pid: int | str) -> dict[str, str] | None:
-    """A process's (``"thread-self"``: this thread's) uids, gids, groups and capability sets, from /proc."""
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return None
-    found = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        if name in _CREDENTIAL_FIELDS or name in _CAPABILITY_FIELDS:
-            found[name] = " ".join(sorted(value.split())) if name == "Groups" else " ".join(value.split())
-    return found
-
-
-def privileges_beyond(helper: dict[str, str], rank: dict[str, str]) -> str | None:
-    """What ``helper``'s credentials allow that ``rank``'s do not (both from :func:`credentials`), or None."""
-    for name in _CREDENTIAL_FIELDS:
-        if helper.get(name) != rank.get(name):
-            return f"{name} {helper.get(name)!r} where its rank has {rank.get(name)!r}"
-    for name in _CAPABILITY_FIELDS:
-        extra = int(helper.get(name, "0"), 16) & ~int(rank.get(name, "0"), 16)
-        if extra:
-            return f"{name} {extra:#x} beyond its rank's"
-    return None
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of /proc/PID/stat (R, S, T, t, Z, ...), None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def stopped_orphan_helpers(lock_path: Path) -> list[int]:
-    """Serving helpers that hold ``lock_path``'s lock for a rank that is gone, and are stopped (SIGSTOP, a
-    debugger): nobody else can free the address until they run again.  This user's only.
-
-    Looked for only when the lock's holder is gone (/proc/locks names the process that took the lock, the rank,
-    or 0 once its pid is freed): a helper serving a live rank, or lingering for departed ranks (it runs: state
-    S or R), is never one.
-    """
-    holder = lock_holder_pid(lock_path)
-    if holder is not None and process_state(holder) not in (None, "Z", "X"):
-        return []
-    try:
-        wanted = os.stat(lock_path)
-    except OSError:
-        return []
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
-        rank = helper_of(pid)
-        if rank is None or (holder is not None and rank != holder) or process_state(pid) not in ("T", "t"):
-            continue
-        try:
-            if os.stat(f"/proc/{pid}").st_uid != os.getuid():
-                continue
-            holds = any(os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), wanted)
-                        for fd in os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            continue
-        started, rank_started = _start_time(pid), _start_time(rank)
-        rank_gone = process_state(rank) in (None, "Z", "X") or (
-            rank_started is not None and started is not None and rank_started > started)  # (its pid reused)
-        if holds and rank_gone:
-            found.append(pid)
-    return found
+        return False
+    return len(argv) >= 3 and argv[-3] == HELPER_MARK.encode()

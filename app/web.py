@@ -38,7 +38,6 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.http import parse_accept_header, parse_options_header
 from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Response
-from werkzeug.wsgi import ClosingIterator
 
 from app.collector import Collection, Collector, RankView
 from app.exposition import Renderer
@@ -145,8 +144,6 @@ class MetricsApp:
         self._owner = owner
         self._extra_warnings = extra_warnings or (lambda: [])
         self._on_scrape = on_scrape or (lambda: None)  # e.g. the owner's periodic duplicate-owner check
-        # After each /metrics body is written, with what it published (a lingering helper's bookkeeping).
-        self.on_served: Callable[[Collection], None] = lambda collection: None
         self._renderer = Renderer()
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -181,8 +178,7 @@ class MetricsApp:
         start_response("200 OK", headers)
         if environ["REQUEST_METHOD"] == "HEAD":
             return []  # no body: nothing was served
-        # Told once the server has written the whole body (it closes the iterable then).
-        return ClosingIterator([body], lambda: self.on_served(collection))
+        return [body]
 
     def healthz(self) -> Response:
         collection: Collection = self.collector.collect()

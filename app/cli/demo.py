@@ -19,14 +19,14 @@ from pathlib import Path
 from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, error_count
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
-from app.probe import die_with_parent, exit_words, get_healthz, http_get, port_holders
+from app.probe import die_with_parent, exit_words, get_healthz, is_address_server, port_holders
 from store import EventType
 
 RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
 DEMO_PORT = 9111  # not 9090, which a Prometheus on the same host listens on by default
 OWNER_WAIT_S = 20.0  # for the first demo rank to serve: imports on a loaded host take seconds
 RANK_STOP_S = 10.0  # for the ranks to close their stores after SIGTERM, before SIGKILL
-LAST_VALUES_WAIT_S = 2.0  # for the last helper to leave once the demo took the last values
+SERVER_STOP_S = 5.0  # for a stopped address server to give the port up
 # A rank ended by one of these crashed by itself; any other signal was sent to it (kill, the OOM killer).
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
                            signal.SIGSYS})
@@ -137,14 +137,15 @@ def _check_port_free(port: int) -> None:
 
 
 def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSignals) -> int | None:
-    """The pid of the demo rank that serves ``port`` (None if stopped first); CliError if none does."""
+    """The pid of the demo rank that started the server of ``port`` (None if stopped first); CliError if none
+    did."""
     pids = {p.pid for p in procs}
     deadline = time.monotonic() + OWNER_WAIT_S
     while not stop.wait(0.1):
         if all(p.poll() is not None for p in procs):
             raise CliError(f"every demo rank ended before serving: rank 0 {exit_words(procs[0].returncode)}")
         owner = get_healthz("127.0.0.1", port).owner
-        pid = None if owner is None else owner.get("pid")
+        pid = None if owner is None else owner.get("started_by")
         if isinstance(pid, int) and pid in pids:
             return pid
         if time.monotonic() > deadline:
@@ -201,7 +202,7 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
         owner = _serving_rank(args.port, procs, stop)
         if owner is None:
             return 0
-        _show(f"{args.ranks} ranks recording into {directory}; rank pid {owner} serves "
+        _show(f"{args.ranks} ranks recording into {directory}; rank pid {owner} started the server of "
               f"http://127.0.0.1:{args.port}/metrics and /healthz; a departed rank stays published "
               f"{env[TTL_ENV]} s ({TTL_ENV}) (Ctrl-C to stop)")
         totals = _Totals(directory, args.port, started)
@@ -217,26 +218,46 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
                 _failures(procs, reported)
                 return 0
         _report_ended(procs, reported, interactive)
-        # Before the last line: the lingering helper says when it leaves, and the demo's own line must end it.
-        _collect_last_values(args.port)
-        _show(("\n" if interactive else "") + totals.line())
         _failures(procs, reported)
+        if interactive:
+            _show("")
+        _serve_final_values(args.port, float(env[TTL_ENV]), stop)
+        _show(totals.line())  # the last line: the totals, the departed ranks' final values included
         return 0
     finally:
         _stop_ranks(procs)
-        _collect_last_values(args.port)
+        _stop_server(args.port)
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)  # only the directory this demo created
 
 
-def _collect_last_values(port: int) -> None:
-    """The job is over: the last serving rank's helper serves the ranks' last values until they are scraped
-    once (app.rank.linger).  The demo is the scraper here: it takes them, so that the helper leaves now, before
-    the directory goes, rather than after the TTL."""
-    if http_get("127.0.0.1", port, "/metrics")[0] is None:
-        return  # nothing serves (thread mode, or already gone)
-    deadline = time.monotonic() + LAST_VALUES_WAIT_S
-    while http_get("127.0.0.1", port, "/healthz", timeout_s=0.2)[0] is not None and time.monotonic() < deadline:
+def _serve_final_values(port: int, ttl_s: float, stop: StopSignals) -> None:
+    """The ranks are done: their address server publishes their final values until the TTL after their last
+    update has passed, then gives the port up.  The demo waits for that, so that a Prometheus scraping it gets
+    them too, unless it is stopped first."""
+    if get_healthz("127.0.0.1", port).owner is None:
+        return  # nothing serves (thread mode: the ranks' threads went with them)
+    _show(f"the ranks are done: their final values stay on http://127.0.0.1:{port}/metrics until {ttl_s:g} s "
+          f"({TTL_ENV}) after their last update, for Prometheus to scrape (Ctrl-C to stop now)")
+    deadline = time.monotonic() + ttl_s + OWNER_WAIT_S
+    while get_healthz("127.0.0.1", port, timeout_s=0.5).owner is not None and time.monotonic() < deadline:
+        if stop.wait(0.2):
+            return  # (the caller stops the server)
+
+
+def _stop_server(port: int) -> None:
+    """Stop the demo's address server, if it still serves (the demo was stopped, or failed), before its
+    directory goes."""
+    owner = get_healthz("127.0.0.1", port, timeout_s=0.5).owner
+    pid = None if owner is None else owner.get("server_pid")
+    if not isinstance(pid, int) or not is_address_server(pid):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)  # it gives the port up and exits
+    except OSError:
+        return
+    deadline = time.monotonic() + SERVER_STOP_S
+    while get_healthz("127.0.0.1", port, timeout_s=0.5).owner is not None and time.monotonic() < deadline:
         time.sleep(0.02)
 
 

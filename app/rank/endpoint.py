@@ -1,79 +1,110 @@
-"""The scrape endpoint: claim the address, serve it, give it back.
+"""A rank's claim on its scrape address: a small state machine, driven from one place.
 
-The election decides who may bind; the bind can still fail when something
-outside the run holds the port.  Then nothing aggregates the directory on
-that address, so the winner warns and concedes the election: once the port
+The address belongs to the job, not to a rank.  The rank that wins the election starts the address server
+(app.address.server) and hands it the lock and the bound listener, keeping no copy of either: the server
+alone holds the address from then on, and serves the directory until nothing in it is left to publish.  A
+rank's death or close() never moves the address.
+
+A rank is always in one of three states, changed only under ``_lock`` by ``claim`` (the constructor's and the
+export path's LOCK_NB election) and ``take_over_from`` (a standby's win, on its thread):
+
+* STANDBY: another process holds the address (an address server, a C++ owner, the gunicorn aggregator).  The
+  rank records, and waits for the lock in the kernel (app.rank.standby) for that holder's death.
+* SERVING, thread mode only (NIXL_PROMETHEUS_MP_SERVE=thread, or where no address server can run): the rank
+  holds the lock and serves from a thread of its own, as the C++ plug-in does; it dies with its rank.
+* CLOSED: close() ran.
+
+Winning, in the default mode, is a transition, not a state: bind, start the server (queued its descriptors
+before it even runs: app.rank.spawn), close our copies, stand by again for that server's death.  A start
+that fails is retried with a growing back-off.  The only thread this leaves besides the standby is the
+carrier of the server's log records (app.rank.carrier), while the starting rank and its server both live.
+
+The election decides who may bind; the bind can still fail when something outside the run holds the port.
+The address server of another directory that publishes only departed ranks is asked to give it up
+(SIGUSR1), and does at once; anything else makes the winner warn and concede the election: once the port
 frees, whichever rank wins next takes the address over.
-
-A winner serves from its serving helper process (app.rank.supervisor) where one can
-run, from a thread of its own until the helper is ready and whenever the
-helper is gone, and only from a thread where no helper can run or
-NIXL_PROMETHEUS_MP_SERVE=thread asks for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.channel import ServerArgs
 from app.health import WarningDoc, owner_doc, replaced_warning
+from app.probe import get_healthz, is_address_server
 from app.rank import standby
+from app.rank.carrier import Carrier
 from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
-from app.rank.supervisor import HelperSpec, HelperState, HelperSupervisor, helper_unusable
-from app.server import BoundedServer, bind_listener, close_listener, serve_in_thread
+from app.rank.spawn import StartFailed, helper_unusable, launch
+from app.server import BoundedServer, bind_listener, close_listener, holding_off_fork, serve_in_thread
 from app.web import MetricsApp
 from election import Outcome, OwnerElection
 from election.lock import SCARCE
 from election.standby import LockWaiter
 from election.standby import holding_off_fork as holding_off_waiter_fork
+from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
+_warner = OnceWarner(log)
 
-WATCH_NS = 1_000_000_000  # the owner checks that its lock file is still the directory's at most every 1 s
-CLOSE_WAIT_S = 10.0  # close() waits this long for another thread's takeover (a bind and a thread start) to finish
-_CALLBACK_WAIT_S = 0.05  # the supervisor's callbacks retry the endpoint's lock at this pace until it stops
+WATCH_NS = 1_000_000_000  # a serving thread-mode rank checks that its lock file is still the directory's every 1 s
+CLOSE_WAIT_S = 10.0  # close() waits this long for another thread's takeover (a bind and a process start) to finish
 # A standby that just won the lock may find the port still bound for a moment: the departed holder's
-# descriptors close one by one as it exits (the lock's can go before the listener's).  It retries the bind
-# at this pace for this long before it concludes that something outside the run holds the port.
-_BUSY_PORT_RETRY_S, _BUSY_PORT_WINDOW_S = 0.005, 0.5
-
+# descriptors close one by one as it exits.  It retries the bind at this pace for this long before it
+# concludes that something outside the run holds the port; YIELD_WAIT_S once it asked another run's server.
+_BUSY_PORT_RETRY_S, _BUSY_PORT_WINDOW_S, YIELD_WAIT_S = 0.005, 0.5, 1.0
+START_BACKOFF_MIN_S, START_BACKOFF_MAX_S = 0.05, 5.0  # between starts of a server that keeps failing to start
 
 _endpoints: weakref.WeakSet[ScrapeEndpoint] = weakref.WeakSet()
 
 
+@dataclass(frozen=True)
+class ServerSpec:
+    """What an address server must know of the rank that starts it, besides the descriptors."""
+
+    directory: Path
+    stale_ttl_s: float
+    address: str
+    agent_name: str | None
+
+
 class ScrapeEndpoint:
-    """This process's claim on one scrape address.
+    """This process's claim on one scrape address (see the module's doc for its states).
 
     ``_lock`` is reentrant because close() must work from a signal handler that interrupted this very
-    thread inside claim(): close() then undoes what is published and marks the endpoint closed, and the
-    interrupted claim, on resuming, undoes what it made since (see _take_over).
+    thread inside claim(): close() then marks the endpoint closed and undoes what is published, and the
+    interrupted claim, on resuming, undoes what it made since.
     """
 
-    def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp,
-                 helper: HelperSpec | None = None, on_watch: Callable[[], None] = lambda: None) -> None:
-        self.election = election
-        self.host, self.port = host, port
-        self.app = app
-        self.helper = helper  # None: serve from a thread only (NIXL_PROMETHEUS_MP_SERVE=thread)
-        self._on_watch = on_watch  # the owner's other periodic checks, made with watch()'s (see there)
-        self.serving_since: float | None = None
-        self.replaced_at: float | None = None  # when the directory was found replaced while we served
-        self._listener: socket.socket | None = None  # held from the bind until we stop serving, whoever accepts
-        self._server: BoundedServer | None = None  # our thread server, while it accepts
-        self._retired: list[BoundedServer] = []  # thread servers that handed over, finishing their connections
-        self._supervisor: HelperSupervisor | None = None
+    def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp, spec: ServerSpec | None,
+                 on_watch: Callable[[], None]) -> None:
+        self.election, self.host, self.port, self.app = election, host, port, app
+        # None: thread mode (asked for, or no address server can run here: said once, when it matters).
+        self.spec = spec
+        self._no_server = None if spec is None else helper_unusable()
+        self._on_watch = on_watch
         self._lock = threading.RLock()
-        self._log = ClaimLog(election, port)  # the operator's lines, written outside the lock
         self._closed = False
+        self._closing = threading.Event()  # wakes a start that waits out its back-off
+        self._log = ClaimLog(election, port)
+        self._carrier: Carrier | None = None  # the server this rank started, while both live
+        self._failures = 0  # starts in a row whose server died before it was ready
+        self._retry_at = 0.0  # (monotonic) no start before this
+        self._server: BoundedServer | None = None  # thread mode: our server and listener
+        self._listener: socket.socket | None = None
+        self.serving_since: float | None = None
+        self.replaced_at: float | None = None
         _endpoints.add(self)
 
     @property
@@ -82,12 +113,24 @@ class ScrapeEndpoint:
 
     @property
     def serving(self) -> bool:
-        return self._listener is not None
+        """This process serves the address: from its thread, or through the server it started, still running."""
+        carrier = self._carrier
+        return self._listener is not None or (carrier is not None and carrier.ready)
+
+    @property
+    def lock_path(self) -> Path:
+        """(standby.Standing) The lock file this endpoint elects on."""
+        return self.election.path
+
+    @property
+    def stands_by_after_takeover(self) -> bool:
+        """(standby.Standing) A rank that handed the address to a server waits for that server's death."""
+        return self._listener is None and not self._closed
 
     def claim(self, now_ns: int | None = None) -> int:
-        """Run the election (and bind if won); returns when to try again (ns).
+        """Run the election (and take the address over if won); returns when to try again (ns).
 
-        While serving, check that the lock file we hold is still the directory's (see watch()).
+        While serving from a thread, check that the lock file we hold is still the directory's (see watch()).
         Never raises for the environment: a failure to serve is conceded and retried later.
         """
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
@@ -99,18 +142,156 @@ class ScrapeEndpoint:
             if self._listener is not None:
                 self._check_lock_file()
                 return now_ns + WATCH_NS
-            outcome = self._take_over()
+            if self.election.try_win() is Outcome.LOST:
+                shortage = self.election.shortage
+                if shortage is not None:
+                    outcome = TakeOver(Claim.SHORT, reason=shortage)
+                else:
+                    standby.stand_by(self)  # the export path keeps re-electing too: for what no waiter covers
+                    outcome = TakeOver(Claim.LOST)
+            else:
+                outcome = self._take_over(busy_port_window_s=0.0)
         finally:
             self._lock.release()
         self._log.report(outcome)
         return outcome.next_claim_ns(now_ns)
 
-    def watch(self) -> None:
-        """While serving: notice a replaced directory, then run ``on_watch``.
+    def take_over_from(self, waiter: LockWaiter) -> bool:
+        """(standby.Standing, on the waiter's thread) Take the address over with the lock the waiter just won;
+        False to turn it down (the waiter then releases it and pauses before it contends again)."""
+        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
+            return False  # this endpoint is busy claiming or closing: it re-elects itself if it needs to
+        try:
+            if self._closed or self._listener is not None or self.election.held:
+                return False
+            with holding_off_waiter_fork():  # the descriptor is recorded somewhere at any fork
+                fd = waiter.hand_over()
+                if fd is None:
+                    return False  # detached meanwhile: it holds nothing any more
+                self.election.adopt(fd)
+            outcome = self._take_over(busy_port_window_s=_BUSY_PORT_WINDOW_S)
+        finally:
+            self._lock.release()
+        self._log.report(outcome)
+        return outcome.claim in (Claim.SERVING, Claim.CLOSED)
 
-        Called from the thread server's scrapes and every WATCH_S by a helper's supervisor: an idle owner
-        makes no other periodic call, and with a helper its scrapes reach another process.
-        """
+    # -- winning --------------------------------------------------------------------------------------------
+
+    def _take_over(self, busy_port_window_s: float) -> TakeOver:
+        """Elected (the election is held): start the server, or serve from a thread; nothing is held if not."""
+        if self.spec is not None and self._no_server is None:
+            wait_s = self._retry_at - time.monotonic()
+            if wait_s > 0 and self._closing.wait(wait_s):  # the last start failed: its back-off first
+                self.election.release()
+                return TakeOver(Claim.CLOSED)
+        try:
+            listener = self._bind(busy_port_window_s)
+        except (OSError, RuntimeError, MemoryError) as exc:
+            self.election.release()  # give it back at once, so that any other rank can take it meanwhile
+            return _failure(exc)
+        if self.spec is not None and self._no_server is None:
+            return self._start_server(listener)
+        return self._serve_from_thread(listener)
+
+    def _bind(self, busy_port_window_s: float) -> socket.socket:
+        deadline = time.monotonic() + busy_port_window_s
+        asked = False
+        while True:
+            try:
+                return bind_listener(self.host, self.port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                if not asked:
+                    asked = True
+                    if self._ask_to_yield():
+                        deadline = max(deadline, time.monotonic() + YIELD_WAIT_S)
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(_BUSY_PORT_RETRY_S)
+
+    def _ask_to_yield(self) -> bool:
+        """The port is held: if by the address server of another run (or of this directory before it was
+        replaced), ask it to give the port up; it does at once unless it has live ranks.  Whether we asked."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        owner = get_healthz(host, self.port, timeout_s=0.5).owner
+        pid = None if owner is None else owner.get("server_pid")
+        if owner is None or owner.get("serving") != "helper" or not isinstance(pid, int) or pid == os.getpid():
+            return False
+        if not is_address_server(pid):
+            return False
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            return False  # gone, or another user's: the bind's failure is warned about as usual
+        return True
+
+    def _start_server(self, listener: socket.socket) -> TakeOver:
+        assert self.spec is not None
+        since = time.time()
+        args = ServerArgs(address=self.address, directory=self.spec.directory, has_lock=self.election.descriptor
+                          is not None, problem=self.election.problem, started_by=os.getpid(),
+                          agent_name=self.spec.agent_name, stale_ttl_s=self.spec.stale_ttl_s, serving_since=since,
+                          replaced_at=self.replaced_at, log_level=logging.getLogger("nixl_prometheus_mp")
+                          .getEffectiveLevel())
+        try:
+            with holding_off_fork():  # a fork meanwhile finds the channel recorded (and closes its copy), or none
+                launched = launch(self.election.descriptor, listener, args)
+                carrier = Carrier(launched, self.address, self._server_ended)
+        except StartFailed as failure:
+            close_listener(listener)
+            self.election.release()
+            self._start_failed(failure.words)
+            return TakeOver(Claim.SHORT, reason=f"the address server cannot start: {failure.words}")
+        # The server holds them now (queued on its channel): our copies go, the lock and the port stay.
+        close_listener(listener)
+        self.election.hand_off()
+        self.serving_since = since
+        self._carrier = carrier
+        try:
+            carrier.start()
+        except RuntimeError:  # out of threads: the server serves all the same, its records go to its file
+            self._carrier = None
+            carrier.close()
+        if self._closed:  # close() ran in a signal handler meanwhile: the server is the job's, it stays
+            self._stop()
+            return TakeOver(Claim.CLOSED)
+        return TakeOver(Claim.SERVING)
+
+    def _server_ended(self, ready: bool, how: str) -> None:
+        """(The carrier's thread) The server this rank started is gone; a standby (maybe ours) starts another."""
+        if ready:
+            self._failures, self._retry_at = 0, 0.0
+            log.warning("the address server of %s %s; a standby rank takes the address over", self.address, how)
+        else:
+            self._start_failed(how)
+
+    def _start_failed(self, words: str) -> None:
+        self._failures += 1
+        backoff_s = min(START_BACKOFF_MIN_S * 2 ** (self._failures - 1), START_BACKOFF_MAX_S)
+        self._retry_at = time.monotonic() + backoff_s
+        _warner.warn(("start", self.address), "the address server of %s %s before it was ready; the next start "
+                     "waits a growing pause (at most %.0f s)", self.address, words, START_BACKOFF_MAX_S)
+
+    def _serve_from_thread(self, listener: socket.socket) -> TakeOver:
+        try:
+            self._server, _ = serve_in_thread(listener, self.app, f"nixl-metrics-{self.port}")
+        except (OSError, RuntimeError, MemoryError) as exc:
+            close_listener(listener)
+            self.election.release()
+            return _failure(exc)
+        self._listener = listener
+        self.serving_since = time.time()
+        standby.stand_down(self)
+        if self._closed:  # close() ran in a signal handler while we were taking over: undo it all
+            self._stop()
+            return TakeOver(Claim.CLOSED)
+        return TakeOver(Claim.SERVING, no_helper=self._no_server)
+
+    # -- serving from a thread --------------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Serving from a thread: notice a replaced directory, then run ``on_watch`` (called on its scrapes)."""
         if self._listener is None:
             return
         if self._lock.acquire(blocking=False):
@@ -121,172 +302,8 @@ class ScrapeEndpoint:
                 self._lock.release()
         self._on_watch()
 
-    @property
-    def lock_path(self) -> Path:
-        """(standby.Standing) The lock file this endpoint elects on."""
-        return self.election.path
-
-    def _take_over(self) -> TakeOver:
-        """Win the election, bind and serve, or give it all back; the outcome is the caller's to report."""
-        if self.election.try_win() is Outcome.LOST:
-            shortage = self.election.shortage
-            if shortage is not None:
-                return TakeOver(Claim.SHORT, reason=shortage)
-            standby.stand_by(self)  # the export path keeps re-electing too: for what no waiter covers
-            return TakeOver(Claim.LOST)
-        outcome = self._serve(lambda: True, busy_port_window_s=0.0)
-        if outcome.claim in (Claim.SHORT, Claim.UNBOUND):
-            self.election.release()  # give it back at once, so that any other rank can take it meanwhile
-        else:
-            standby.stand_down(self)  # serving (or closed): a standby that failed to serve stays one
-        return outcome
-
-    def take_over_from(self, waiter: LockWaiter) -> bool:
-        """(standby.Standing, on the waiter's thread) Serve with the lock the waiter just won; False to turn it
-        down (the waiter then releases it and pauses before it contends again)."""
-        if not self._lock.acquire(timeout=_CALLBACK_WAIT_S * 20):
-            return False  # this endpoint is busy claiming or closing: it re-elects itself if it needs to
-        try:
-            if self._closed or self._listener is not None or self.election.held:
-                return False
-
-            def adopt() -> bool:
-                with holding_off_waiter_fork():  # the descriptor is recorded somewhere at any fork
-                    fd = waiter.hand_over()
-                    if fd is None:
-                        return False  # detached meanwhile: it holds nothing any more
-                    self.election.adopt(fd)
-                return True
-
-            # Adopted only once bound: a failed bind is conceded by the waiter (never a tight loop).
-            outcome = self._serve(adopt, busy_port_window_s=_BUSY_PORT_WINDOW_S)
-        finally:
-            self._lock.release()
-        self._log.report(outcome)
-        return outcome.claim in (Claim.SERVING, Claim.CLOSED)
-
-    def _serve(self, adopt: Callable[[], bool], busy_port_window_s: float) -> TakeOver:
-        """Elected: bind, serve from a thread, start the helper; nothing is held if it cannot."""
-        listener = None
-        deadline = time.monotonic() + busy_port_window_s
-        try:
-            while True:
-                try:
-                    listener = bind_listener(self.host, self.port)
-                    break
-                except OSError as exc:
-                    if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
-                        raise
-                    time.sleep(_BUSY_PORT_RETRY_S)
-            self._server, _ = serve_in_thread(listener, self.app, f"nixl-metrics-{self.port}")
-        except (OSError, RuntimeError, MemoryError) as exc:
-            # Whatever failed (the bind, werkzeug's descriptor, the thread), nothing serves.
-            if listener is not None:
-                close_listener(listener)
-            if isinstance(exc, OSError) and exc.errno in SCARCE:
-                return TakeOver(Claim.SHORT, reason=os.strerror(exc.errno))
-            if isinstance(exc, OSError) and exc.errno is not None:
-                return TakeOver(Claim.UNBOUND, bind_error=exc)
-            return TakeOver(Claim.SHORT, reason=f"{type(exc).__name__}: {exc}")
-        # Serving from here (the thread server answers already, naming this process the owner): ``serving`` says
-        # so from the same instant, and stops saying it if the election is not ours after all.
-        self._listener = listener
-        if not adopt():
-            server, self._server = self._server, None
-            self._listener = None
-            if server is not None:
-                server.stop()
-            close_listener(listener)
-            return TakeOver(Claim.LOST)
-        self.serving_since = time.time()
-        no_helper = self._start_helper()
-        if self._closed:  # close() ran in a signal handler while we were taking over: undo it all
-            self._stop()
-            return TakeOver(Claim.CLOSED)
-        return TakeOver(Claim.SERVING, no_helper=no_helper)
-
-    # -- the serving helper (app.rank.supervisor) ------------------------------------------------------------
-    #
-    # The thread server started by the takeover answers at once; the supervisor's thread starts the helper (an
-    # interpreter's start, a fraction of a second to a second), and the thread server is retired once the
-    # helper is ready.  The callbacks below run on the supervisor's thread and act only if that supervisor is
-    # still ours: a close() or a re-election in between has made it a stale one.
-
-    def _start_helper(self) -> str | None:
-        """Start the helper's supervisor; why no helper can serve instead (None: one will, or none is wanted)."""
-        if self.helper is None:
-            return None
-        reason = helper_unusable()
-        if reason is None:
-            supervisor = HelperSupervisor(self.helper, self)
-            try:
-                supervisor.start()
-            except RuntimeError as exc:  # the process is at its thread limit
-                return f"no thread to supervise it: {exc}"
-            self._supervisor = supervisor
-        return reason
-
-    @contextlib.contextmanager
-    def helper_state(self, supervisor: HelperSupervisor) -> Iterator[HelperState | None]:
-        """(HelperHost) What a helper starts with, under our lock: a close() waits until the helper has it."""
-        if not self._locked_for(supervisor):
-            yield None
-            return
-        try:
-            listener = self._listener
-            yield None if listener is None else HelperState(
-                listener_fd=listener.fileno(), lock_fd=self.election.descriptor, problem=self.election.problem,
-                serving_since=self.serving_since, replaced_at=self.replaced_at)
-        finally:
-            self._lock.release()
-
-    def _locked_for(self, supervisor: HelperSupervisor) -> bool:
-        """Take the lock for a callback of ``supervisor``; False (not taken) once it is stopping or stale."""
-        while not supervisor.stopping:
-            if self._lock.acquire(timeout=_CALLBACK_WAIT_S):
-                if self._supervisor is supervisor and not self._closed:
-                    return True
-                self._lock.release()
-                return False
-        return False
-
-    def helper_ready(self, supervisor: HelperSupervisor) -> None:
-        """(HelperHost) The helper accepts connections: our thread server stops accepting, its connections
-        finish."""
-        if not self._locked_for(supervisor):
-            return
-        try:
-            server, self._server = self._server, None
-            self._retired = [s for s in self._retired if s.busy()]
-            if server is not None:
-                server.retire()
-                self._retired.append(server)
-        finally:
-            self._lock.release()
-
-    def helper_gone(self, supervisor: HelperSupervisor) -> None:
-        """(HelperHost) The helper died: serve from a thread again, at once, while the supervisor starts
-        another."""
-        if not self._locked_for(supervisor):
-            return
-        shortage = None
-        try:
-            if self._server is None and self._listener is not None:
-                self._server, _ = serve_in_thread(self._listener, self.app, f"nixl-metrics-{self.port}")
-        except (OSError, RuntimeError, MemoryError) as exc:
-            shortage = f"no thread server while the helper restarts: {exc}"
-        finally:
-            self._lock.release()
-        if shortage is not None:
-            self._log.shortage(shortage)
-
     def _check_lock_file(self) -> None:
-        """The directory was removed and recreated under us: elect on the new lock file, or step down.
-
-        Ranks starting now lock the new file, win, and cannot bind the port we hold; ranks already
-        running lose on it to whoever holds it.  Holding the new file ourselves makes us the owner again;
-        if another process holds it, that process is elected and we give the port up to it.
-        """
+        """The directory was removed and recreated under us: elect on the new lock file, or step down."""
         if not self.election.lock_file_replaced():
             return
         if self.replaced_at is None:
@@ -298,8 +315,6 @@ class ScrapeEndpoint:
             moved = self.election.move_to_current()
         except OSError:
             return  # not back yet: keep serving what is there and retry at the next check
-        if moved and self._supervisor is not None:
-            self._supervisor.restart()  # it holds the old lock file, and must say the directory was replaced
         if not moved:
             log.warning("another process holds the new owner lock of %s; this process stops serving it",
                         self.address)
@@ -312,70 +327,63 @@ class ScrapeEndpoint:
         return [replaced_warning(self.election.directory, self.replaced_at)]
 
     def owner_info(self, agent_name: str | None, mode: str) -> dict[str, Any]:
-        """/healthz's owner, as our thread server answers it (the helper answers its own)."""
+        """/healthz's owner, as our thread server answers it."""
         return owner_doc(pid=os.getpid(), agent_name=agent_name, address=self.address, mode=mode,
                          flock=not self.election.problem, since=self.serving_since, server_pid=os.getpid(),
-                         serving="thread")
+                         serving="thread", started_by=os.getpid())
 
-    def stand_down(self) -> None:
-        """Stop standing by for the address (the first step of closing; bounded, from anywhere)."""
-        standby.stand_down(self)
+    # -- closing ----------------------------------------------------------------------------------------------
 
-    def close(self, hand_off: bool = False) -> None:
-        """Stop serving and free the port, THEN release the election.
+    def close(self) -> None:
+        """Stand down; stop carrying the server's records (the server is the job's: it serves on); in thread
+        mode, stop serving and free the port, THEN release the election.
 
-        The other order would let a sibling win the election and fail to
-        bind the port we still hold, then back off for seconds.  Safe from a
-        signal handler and from atexit at any moment (see the class doc).
-
-        ``hand_off``: if a serving helper is ready (close() never waits for one that is starting), leave the
-        address to it instead: it serves the departed stores, this rank's among them, until each was served
-        once, or goes at once to a live rank (app.rank.linger); the port and the election go with it.
+        The other order would let a sibling win the election and fail to bind the port we still hold, then
+        back off for seconds.  Safe from a signal handler and from atexit at any moment (see the class doc).
         """
         self._closed = True  # first: an interrupted claim sees it when it resumes
+        self._closing.set()
         standby.stand_down(self)
         if not self._lock.acquire(timeout=CLOSE_WAIT_S):
             log.warning("closing %s: another thread is stuck taking the address over; it gives it back when "
                         "it returns", self.address)
             return
         try:
-            self._stop(hand_off)
+            self._stop()
         finally:
             self._lock.release()
 
-    def _stop(self, hand_off: bool = False) -> None:
-        # The helper first: it holds the listener and the lock too, and the port is free only once it is gone.
-        supervisor, self._supervisor = self._supervisor, None
+    def _stop(self) -> None:
+        carrier, self._carrier = self._carrier, None
         server, self._server = self._server, None
-        retired, self._retired = self._retired, []
         listener, self._listener = self._listener, None
         self.serving_since = self.replaced_at = None
-        handed_off = False
-        if supervisor is not None:
-            handed_off = hand_off and self.election.descriptor is not None and supervisor.leave(0.0)
-            if not handed_off:
-                supervisor.stop()
-        for thread_server in [*retired, *([server] if server is not None else [])]:
-            thread_server.stop()
+        if carrier is not None:
+            carrier.close()
+        if server is not None:
+            server.stop()
         if listener is not None:
-            close_listener(listener)  # our descriptor only: a helper that stays on keeps the port
-        if handed_off:
-            self.election.hand_off()
-        else:
+            close_listener(listener)
             self.election.release()
 
     def _after_fork_in_child(self) -> None:
         """A forked child never serves the parent's socket nor holds its election (nor stands by: app.standby).
 
-        (The listeners themselves were closed by app.server's fork hook.)
+        (The listeners were closed by app.server's fork hook, the carrier's descriptors by its own.)
         """
         self._lock = threading.RLock()
-        if self._supervisor is not None:
-            self._supervisor.forget_after_fork()
-        self._supervisor = self._server = self._listener = None
-        self._retired = []
+        self._carrier = self._server = self._listener = None
         self.serving_since = self.replaced_at = None
         self.election.forget_after_fork()
+
+
+def _failure(exc: BaseException) -> TakeOver:
+    """How a failed bind or thread start is conceded."""
+    if isinstance(exc, OSError) and exc.errno in SCARCE:
+        return TakeOver(Claim.SHORT, reason=os.strerror(exc.errno))
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return TakeOver(Claim.UNBOUND, bind_error=exc)
+    return TakeOver(Claim.SHORT, reason=f"{type(exc).__name__}: {exc}")
 
 
 def _after_fork_in_child() -> None:

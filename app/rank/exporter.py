@@ -34,9 +34,8 @@ from app.config import (
 )
 from app.health import OwnerWatch, WarningDoc, health_warnings
 from app.rank.claims import BACKOFF_NS, NEVER
-from app.rank.endpoint import CLOSE_WAIT_S, ScrapeEndpoint
+from app.rank.endpoint import CLOSE_WAIT_S, ScrapeEndpoint, ServerSpec
 from app.rank.recording import Recording
-from app.rank.supervisor import HelperSpec
 from app.web import MetricsApp
 from election import OwnerElection
 from store import StoreIdentity, StoreWriter
@@ -83,9 +82,9 @@ def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, Ow
 
     app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings,
                      on_scrape=lambda: endpoint.watch())
-    helper = None if config.serve == "thread" else HelperSpec(config.directory, config.stale_ttl_s, config.address,
-                                                              agent_name)
-    endpoint = ScrapeEndpoint(election, config.host, config.port, app, helper, on_watch=owners.poll)
+    spec = None if config.serve == "thread" else ServerSpec(config.directory, config.stale_ttl_s, config.address,
+                                                            agent_name)
+    endpoint = ScrapeEndpoint(election, config.host, config.port, app, spec, on_watch=owners.poll)
     return endpoint, owners
 
 
@@ -100,16 +99,15 @@ class _CloseState:
 def _release(endpoint: ScrapeEndpoint, writer: StoreWriter, state: _CloseState) -> _CloseState:
     """close()'s work; also run by the garbage collector and at exit for an Exporter nobody closed."""
     state.closer = threading.get_ident()
-    # In this order: a rank that closes takes nothing over any more; its store is departed (final) before
-    # the endpoint goes, so that a serving helper left the address knows no writer of ours remains.
+    # The endpoint first: a closing rank takes nothing over any more.  Then the store, with its final values,
+    # which the address server (the job's: it stays) publishes as departed until the TTL.
     try:
-        endpoint.stand_down()
-        writer.close()
+        endpoint.close()
+    except Exception:  # at exit or in the collector, a failure must cost the endpoint only
+        log.warning("closing the telemetry endpoint of %s failed", writer.path.name, exc_info=True)
     finally:
         try:
-            endpoint.close(hand_off=True)
-        except Exception:  # at exit or in the collector, a failure must cost the endpoint only
-            log.warning("closing the telemetry endpoint of %s failed", writer.path.name, exc_info=True)
+            writer.close()
         finally:
             state.done.set()
     return state

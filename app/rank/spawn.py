@@ -1,10 +1,17 @@
-"""Starting a serving helper: which interpreter, with what command line and bootstrap, and its handles.
+"""Starting an address server (app.address.server): which interpreter, with what command line and bootstrap.
 
-app.rank.supervisor says how a helper is started, watched and stopped, and why; this module holds the parts
-that touch no supervisor state: whether an interpreter can run a helper at all, the helper's command line
-(the rank's interpreter flags, then ``-c BOOT_COMMAND serving-helper --for-pid PID``: nothing ``ps`` should
-not show), the bootstrap sent over the channel (the rank's ``sys.path``, so that the helper imports the very
-code the rank runs), and ``HelperProcess``: one helper's launcher, pid, pidfd and channel.
+The rank that wins the election starts the server and hands it the address at once (app.rank.endpoint): the
+bootstrap, then the state with the lock's and the listener's descriptors (SCM_RIGHTS), are queued on the
+channel before the interpreter has even started, and the rank closes its own copies right away.  So a rank
+never waits for an interpreter's start, and a rank that dies (or closes) the next instant has handed the
+address over all the same: what is queued on a socket reaches its reader whatever became of the sender.  A
+server that fails to start closes its end, and the kernel drops the descriptors queued on it: the lock is
+released and a standby takes the address over.
+
+The command line is ``python [the rank's interpreter flags] -c BOOT_COMMAND serving-helper ADDRESS`` (``ps``
+shows it to every local user: nothing more).  The process started (the launcher) forks at once and exits:
+the rank reaps it within milliseconds, and the server is nobody's child in the host (init, or the nearest
+subreaper, reaps it), so a host that waits for all its children never waits for it.
 """
 
 from __future__ import annotations
@@ -13,20 +20,16 @@ import contextlib
 import errno
 import os
 import re
-import select
-import signal
 import socket
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
-from app.probe import credentials, helper_command
-from app.rank.channel import MAX_MESSAGE, pair
+from app.channel import MAX_MESSAGE, ServerArgs, pair, state_message
+from app.probe import helper_command
 from store.fds import above_stdio, open_above_stdio, socket_above_stdio, stdio_occupied
 
-KILL_WAIT_S = 2.0  # how long stopping waits for a SIGKILLed helper to be gone (it frees the port then)
 # The failures of a start that the system may not repeat a moment later: tried again, with the back-off.
 TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 # sys.executable names the interpreter only where it is one: an embedded interpreter (uWSGI, a C++ host) sets it
@@ -34,14 +37,14 @@ TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.EN
 # (python3.12d, python3-dbg, python_d.exe) and GraalPy are interpreters too.
 _INTERPRETER_NAME = re.compile(r"(python|pypy|graalpy|graalpython)[0-9.]*(d|dm|m|t|_d|-dbg)?(\.exe)?",
                                re.IGNORECASE)
-# The directory holding this package (a .pyz for a zipapp): on the helper's sys.path if the rank's lacks it.
+# The directory holding this package (a .pyz for a zipapp): on the server's sys.path if the rank's lacks it.
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-# The helper's whole command line but its interpreter's flags and helper_command(): read the rest from stdin.
+# The server's whole command line but its interpreter's flags and helper_command(): read the rest from stdin.
 BOOT_COMMAND = f"import os;exec(os.read(0,{MAX_MESSAGE}))"
 
 
 def helper_unusable() -> str | None:
-    """Why no serving helper can run from this interpreter, or None when one can."""
+    """Why no address server can run from this interpreter, or None when one can."""
     executable = sys.executable
     if not executable:
         return "the interpreter does not know its own executable (sys.executable is empty)"
@@ -55,7 +58,7 @@ def helper_unusable() -> str | None:
 
 
 def helper_sys_path() -> list[str]:
-    """The helper's sys.path: the rank's, less what depends on the rank's working directory (the helper runs
+    """The server's sys.path: the rank's, less what depends on the rank's working directory (the server runs
     in /), with this package's root where the rank has none of it, after the standard library."""
     path: list[str] = []
     for entry in sys.path:
@@ -71,121 +74,63 @@ def helper_sys_path() -> list[str]:
 
 
 def bootstrap() -> bytes:
-    return (f"import sys\nsys.path[:] = {helper_sys_path()!r}\n"
-            "from app.rank.helper import main\nmain()\n").encode()
+    # The fork comes first, before any import: the launcher (the rank's child) exits within milliseconds of
+    # its start, and the server is nobody's child in the host from then on.
+    return (f"import os, sys\nif os.fork():\n    os._exit(0)\nsys.path[:] = {helper_sys_path()!r}\n"
+            "from app.address.server import main\nmain()\n").encode()
 
 
 class StartFailed(Exception):
-    """A helper that did not start: in words, and whether trying again later may do better."""
+    """A server that could not even be launched: in words, and whether trying again later may do better."""
 
     def __init__(self, words: str, transient: bool) -> None:
         super().__init__(words)
         self.words, self.transient = words, transient
 
 
-class HelperProcess:
-    """One helper: its launcher (our child), the helper's pid and pidfd once it said them, the channel."""
+class Launched:
+    """A server on its way: the launcher (our child, reaped through its pidfd) and our end of the channel."""
 
     def __init__(self, launcher: subprocess.Popen[bytes], launcher_fd: int, channel: socket.socket) -> None:
         self.launcher, self.launcher_fd, self.channel = launcher, launcher_fd, channel
-        self.pid: int | None = None
-        self.pidfd = -1
-        self.started = time.monotonic()
-        self.said: str | None = None  # its last word (``E``) before it exited
-        self.launcher_status: int | None = None  # (reaped) its exit status, as Popen reports it
-        self.spawned_with = credentials("thread-self")  # this thread's credentials when it was started
 
-    @property
-    def name(self) -> str:
-        return f"pid {self.pid}" if self.pid is not None else f"launcher pid {self.launcher.pid}"
-
-    def kill(self) -> str | None:
-        """SIGKILL the helper (and its launcher); why the kernel refused, if it did."""
-        refused = None
-        for fd in (self.pidfd, self.launcher_fd):
-            if fd < 0:
-                continue
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)  # a pidfd never names a reused pid
-            except PermissionError as exc:  # it runs as another user now (its rank dropped privileges)
-                refused = os.strerror(exc.errno or errno.EPERM)
-            except OSError:
-                pass  # gone already
-        return refused
-
-    def tell(self, message: bytes) -> bool:
-        """Send ``message`` without ever blocking; False if it could not go."""
-        try:
-            self.channel.send(message, socket.MSG_DONTWAIT)
-        except OSError:
-            return False
-        return True
-
-    def gone_fd(self) -> int:
-        """The descriptor that polls readable once the helper is gone (the launcher's until it said its pid)."""
-        return self.pidfd if self.pidfd >= 0 else self.launcher_fd
-
-    def wait_gone(self, timeout_s: float | None) -> bool:
-        try:
-            return readable(self.gone_fd(), timeout_s)
-        except (OSError, ValueError):
+    def reap_launcher(self, block: bool) -> bool:
+        """Reap the launcher (only it); whether it is reaped (by us, or by a host that reaps all its children)."""
+        if self.launcher_fd < 0:
             return True
-
-    def reap_launcher(self, block: bool = False) -> int | None:
-        """Reap the launcher (only it, through its pidfd); its exit status, None if not yet or someone else's."""
-        if self.launcher_status is not None or self.launcher_fd < 0:
-            return self.launcher_status
         try:
             result = os.waitid(os.P_PIDFD, self.launcher_fd, os.WEXITED | (0 if block else os.WNOHANG))
         except ChildProcessError:  # a host that ignores SIGCHLD or reaps in its own handler got there first
-            self.launcher.returncode = 0  # Popen must not try to reap (or remember to reap) a pid no longer ours
-            return None
+            result = True
         except OSError:
-            return None
+            return False
         if result is None:
-            return None
-        status = -result.si_status if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else result.si_status
-        if status > 128:  # the launcher's word for "the helper was killed by signal N" (app.rank.helper)
-            status = -(status - 128)
-        self.launcher.returncode = self.launcher_status = status
-        return status
-
-    def reap_helper(self) -> None:
-        """Reap the helper where it became our child (this process is pid 1 or a subreaper)."""
-        if self.pidfd >= 0:
-            with contextlib.suppress(OSError):
-                os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
-
-    def close(self) -> None:
-        """Close our descriptors of it (the caller holds holding_off_fork: a fork sees them all, or none)."""
-        for name in ("pidfd", "launcher_fd"):
-            fd = getattr(self, name)
-            setattr(self, name, -1)
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        with contextlib.suppress(OSError):
-            self.channel.close()
+            return False
+        self.launcher.returncode = 0  # Popen must never try to reap (or remember to reap) it again
+        os.close(self.launcher_fd)
+        self.launcher_fd = -1
+        return True
 
 
-def readable(fd: int, timeout_s: float | None) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(None if timeout_s is None else int(timeout_s * 1000)))
+def launch(lock_fd: int | None, listener: socket.socket, args: ServerArgs) -> Launched:
+    """Start a server and queue it everything it serves with; StartFailed if it cannot be started.
 
-
-def launch() -> HelperProcess:
-    """Start a helper's launcher (the caller holds holding_off_fork and records the result before it lets
-    go); StartFailed if it cannot."""
+    The caller closes its own copies of ``lock_fd`` and ``listener`` once this returns (or keeps them, and
+    concedes, on StartFailed).
+    """
     command = [sys.executable, *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
-               "-c", BOOT_COMMAND, *helper_command(os.getpid())]
+               "-c", BOOT_COMMAND, *helper_command(args.address)]
     ours = theirs = None
     null = -1
     try:
         ours, theirs = (socket_above_stdio(end) for end in pair())
+        # Queued before the launcher runs: the server reads them whenever it gets there.
+        ours.send(bootstrap())
+        fds = [listener.fileno()] + ([] if lock_fd is None else [lock_fd])
+        socket.send_fds(ours, [state_message(args.to_json())], fds)
         null = open_above_stdio(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        # Its stdin is the channel; stdout and stderr /dev/null (it logs over the channel); every other
-        # descriptor closed; in /, so that it keeps no directory busy.
+        # Its stdin is the channel; stdout and stderr /dev/null (it logs over the channel, then to its file);
+        # every other descriptor closed; in /, so that it keeps no directory busy; a session of its own.
         with stdio_occupied():  # (Popen's own pipes, for the moment it takes, never on 0-2: see store.fds)
             launcher = subprocess.Popen(command, cwd="/", stdin=theirs.fileno(), stdout=null, stderr=null,
                                         start_new_session=True)
@@ -196,14 +141,13 @@ def launch() -> HelperProcess:
                           and exc.errno in TRANSIENT_ERRNOS) from None
     finally:
         if theirs is not None:
-            theirs.close()  # the helper's end is the helper's alone: its death is then our end of file
+            theirs.close()  # the server's end is the server's alone: its death is then our end of file
         if null >= 0:
             os.close(null)
     try:
         launcher_fd = above_stdio(os.pidfd_open(launcher.pid))
-    except OSError as exc:
-        launcher.kill()
-        launcher.wait()
-        ours.close()
-        raise StartFailed(f"cannot watch it: {exc}", exc.errno in TRANSIENT_ERRNOS) from None
-    return HelperProcess(launcher, launcher_fd, ours)
+    except OSError:
+        launcher_fd = -1
+        with contextlib.suppress(OSError):
+            launcher.wait(2.0)  # it forks and exits at once
+    return Launched(launcher, launcher_fd, ours)

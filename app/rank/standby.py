@@ -6,27 +6,20 @@ is gone, then offers the win to each endpoint standing by for it, in the order t
 takes it over.  Nobody standing by any more: the waiter is detached (bounded, from anywhere: see
 election.standby), so ``close()`` never waits for the owner to die.
 
-One holder never lets go by itself: a serving helper that is stopped (SIGSTOP, a debugger) when its rank
-dies.  Its own watch of the rank cannot run, and its rank, which would have replaced it, is gone.  So while
-a waiter waits, every ORPHAN_CHECK_S a thread of the process looks at the lock's holder, and SIGKILLs such a
-helper (this user's only): it holds the lock for no one, and the waiter takes the address over at once.  A
-helper that lingers for departed ranks by design runs, and is never one (app.probe.stopped_orphan_helpers).
+A standby exists for the address server's death only (a crash, an OOM kill, an operator's kill): a rank's
+own death or close() never moves the address.  A stopped server is the carrier's to replace (app.rank.carrier).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
-from app.logsink import never_block_on_logs
-from app.probe import helper_of, process_state, stopped_orphan_helpers
 from election.standby import LockWaiter
-from store.fds import above_stdio
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
 
@@ -38,7 +31,6 @@ RESTART_AFTER_S = 5.0
 # Like every lock of the rank's side, taken with a timeout: close() may run in a signal handler that
 # interrupted this very thread while it held it.
 _LOCK_WAIT_S = 1.0
-ORPHAN_CHECK_S = 0.5  # how often a process with a waiter looks for a stopped helper holding the lock for no one
 
 
 class Standing(Protocol):
@@ -48,6 +40,10 @@ class Standing(Protocol):
     def lock_path(self) -> Path:
         """The lock file it lost on."""
 
+    @property
+    def stands_by_after_takeover(self) -> bool:
+        """Whether it stands by again once it took the address over (it handed the lock to a server)."""
+
     def take_over_from(self, waiter: LockWaiter) -> bool:
         """Serve with the lock ``waiter`` holds; False to turn it down (closed, already serving, cannot bind)."""
 
@@ -56,7 +52,6 @@ _lock = threading.RLock()
 _standing: list[Standing] = []
 _waiters: dict[Path, LockWaiter] = {}
 _failed_at: dict[Path, float] = {}
-_orphan_watch: threading.Thread | None = None
 
 
 def stand_by(endpoint: Standing) -> None:
@@ -85,53 +80,8 @@ def stand_by(endpoint: Standing) -> None:
                      path.name, exc)
             return
         _waiters[path] = waiter
-        _watch_orphans()
     finally:
         _lock.release()
-
-
-def _watch_orphans() -> None:
-    """(Under _lock) have the orphan watch run while a waiter waits."""
-    global _orphan_watch
-    if _orphan_watch is not None and _orphan_watch.is_alive():
-        return
-    thread = threading.Thread(target=_kill_stopped_orphans, name="nixl-orphan-watch", daemon=True)
-    try:
-        thread.start()
-    except RuntimeError:  # out of threads: a stopped orphan then holds the address until it runs again
-        return
-    _orphan_watch = thread
-
-
-def _kill_stopped_orphans() -> None:
-    never_block_on_logs()
-    while True:
-        time.sleep(ORPHAN_CHECK_S)
-        with _lock:
-            paths = [path for path, waiter in _waiters.items() if waiter.waiting]
-            if not paths:
-                return
-        for path in paths:
-            for pid in stopped_orphan_helpers(path):
-                _kill_orphan(pid, path)
-
-
-def _kill_orphan(pid: int, path: Path) -> None:
-    try:
-        pidfd = above_stdio(os.pidfd_open(pid))
-    except OSError:
-        return
-    try:
-        rank = helper_of(pid)  # looked at again through the pidfd's pid: still that helper, still stopped
-        if rank is None or process_state(pid) not in ("T", "t"):
-            return
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except OSError:
-        return
-    finally:
-        os.close(pidfd)
-    log.warning("the serving helper (pid %d) of rank %d, which is gone, held %s while stopped; killed it, so that "
-                "a live rank takes the address over", pid, rank, path.name)
 
 
 def stand_down(endpoint: Standing) -> None:
@@ -162,7 +112,9 @@ def _offer(waiter: LockWaiter) -> None:
                 if _waiters.get(waiter.path) is waiter:
                     del _waiters[waiter.path]  # it ends with its hand-over
                 others = [e for e in _standing if e.lock_path == waiter.path]
-            if others:  # another agent of this process on the same address: it loses to us now
+            if endpoint.stands_by_after_takeover:  # for the death of the server it just started
+                stand_by(endpoint)
+            elif others:  # another agent of this process on the same address: it loses to us now
                 stand_by(others[0])
             return
     if not candidates:  # (stood down meanwhile) the lock goes back at once: see LockWaiter.detach
@@ -174,9 +126,8 @@ def _offer(waiter: LockWaiter) -> None:
 
 def _after_fork_in_child() -> None:
     # election.standby's own hook has closed the waiters' descriptors; their threads do not exist here.
-    global _lock, _orphan_watch
+    global _lock
     _lock = threading.RLock()
-    _orphan_watch = None
     _standing.clear()
     _waiters.clear()
     _failed_at.clear()
