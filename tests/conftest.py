@@ -3,6 +3,7 @@ root_owned_dir."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -123,3 +124,49 @@ def serve_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """
     monkeypatch.setenv("NIXL_PROMETHEUS_MP_SERVE", request.param)
     return str(request.param)
+
+
+# -- address servers -------------------------------------------------------------------------------------------
+#
+# An address server is the job's: it outlives the rank that started it until the TTL after the last rank's last
+# update.  Each pytest worker is a child subreaper, so that every server started by a test (in this process or
+# in a rank the test started) becomes this worker's child once its launcher exits: the fixture below stops
+# and reaps the ones a test left, so that none serves into the next test or piles up over the run.
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _make_subreaper() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+_make_subreaper()
+
+
+def stop_address_servers() -> None:
+    """SIGKILL and reap every address server this worker adopted (its comm is SERVER_COMM, zombies included)."""
+    import signal
+
+    from app.address.server import SERVER_COMM
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            comm, _, rest = Path(f"/proc/{entry}/stat").read_text().partition(") ")
+        except OSError:
+            continue
+        if comm.partition(" (")[2] == SERVER_COMM and int(rest.split()[1]) == os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.waitpid(int(entry), 0)
+
+
+@pytest.fixture(autouse=True)
+def _no_address_server_outlives_its_test() -> Iterator[None]:
+    yield
+    stop_address_servers()

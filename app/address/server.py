@@ -26,6 +26,7 @@ loop (``_Server.run``) decides everything, as gunicorn's arbiter does.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -59,10 +60,12 @@ log = logging.getLogger("nixl_prometheus_mp")
 
 CHECK_S = 10.0  # while a store is live: how often the directory is looked at (at most the TTL, at least MIN_CHECK_S)
 MIN_CHECK_S = 1.0
+SERVER_COMM = "nixl-server"  # its process name (``ps -e``, /proc/PID/comm), set as it starts
 LOG_NAME = "nixl-server.{address}.log"  # in the directory, once the starting rank is gone
 LOG_MAX_BYTES = 1 << 20  # the log file is rotated at this size, one old file kept: at most 2 MiB
 KILL_WAIT_S = 2.0  # how long an exiting server lets the answers being written finish
 _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+_PR_SET_NAME = 15  # <linux/prctl.h>
 _SCARCE = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
@@ -97,6 +100,7 @@ def next_check_s(collection: Collection, ttl_s: float) -> float | None:
 def main() -> None:
     """The program (the bootstrap forked already: this process is nobody's child in the host); never returns."""
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    _set_comm(SERVER_COMM)
     for signum in _TERMINAL_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a host may have ignored it: exec keeps SIG_IGN
@@ -114,6 +118,12 @@ def main() -> None:
             channel.send(ERROR + f"{type(exc).__name__}: {exc}".encode(errors="replace")[:4000], socket.MSG_DONTWAIT)
         os._exit(exit_code(exc))
     os._exit(server.run())
+
+
+def _set_comm(name: str) -> None:
+    """PR_SET_NAME: ``ps -e`` and /proc/PID/comm name the server, not "python" (nothing else changes)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode(), 0, 0, 0)
 
 
 class _Server:

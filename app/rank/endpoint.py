@@ -151,6 +151,8 @@ class ScrapeEndpoint:
                     outcome = TakeOver(Claim.LOST)
             else:
                 outcome = self._take_over(busy_port_window_s=0.0)
+                if outcome.claim is Claim.SERVING and self._listener is None:
+                    standby.stand_by(self)  # handed to a server: this rank waits for that server's death
         finally:
             self._lock.release()
         self._log.report(outcome)
