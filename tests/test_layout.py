@@ -1,5 +1,5 @@
 """The code's layout (docs/layout.md): dependencies point one way, no import cycle, no module over 500 lines,
-the table lists exactly the modules there are, and the serving helper and the aggregator never load a rank's
+the table lists exactly the modules there are, and the address server and the aggregator never load a rank's
 code.
 
 Imports are read with ``ast`` from every module, those inside functions and ``if TYPE_CHECKING:`` blocks
@@ -32,13 +32,11 @@ ALLOWED = {
     "election": {"election", "store"},
     "core": {"core", "election", "store"},
     "rank": {"rank", "core", "election", "store"},
+    "address": {"address", "core", "election", "store"},
     "aggregator": {"aggregator", "core", "election", "store"},
-    "cli": {"cli", "rank", "aggregator", "core", "election", "store"},
-    "entry": {"entry", "cli", "rank", "aggregator", "core", "election", "store"},
+    "cli": {"cli", "rank", "address", "aggregator", "core", "election", "store"},
+    "entry": {"entry", "cli", "rank", "address", "aggregator", "core", "election", "store"},
 }
-# A rank's own code, which the serving helper's program and the aggregator never load.
-RANK_CODE = {"app.rank.exporter", "app.rank.recording", "app.rank.endpoint", "app.rank.claims", "app.rank.supervisor",
-             "app.rank.standby"}
 
 
 def module_files() -> dict[str, Path]:
@@ -52,6 +50,8 @@ def module_files() -> dict[str, Path]:
 
 
 MODULES = module_files()
+# A rank's own code, which the address server's program and the aggregator never load.
+RANK_CODE = {m for m in MODULES if m.startswith("app.rank")}
 
 
 def imported(path: Path) -> set[str]:
@@ -86,7 +86,7 @@ def layer(module: str) -> str:
         return parts[0]
     if module in ENTRY_POINTS:
         return "entry"
-    if len(parts) > 1 and parts[1] in ("rank", "aggregator", "cli"):
+    if len(parts) > 1 and parts[1] in ("rank", "address", "aggregator", "cli"):
         return parts[1]
     return "core"
 
@@ -94,7 +94,7 @@ def layer(module: str) -> str:
 def test_the_layers_are_the_ones_documented() -> None:
     """Every module belongs to one layer, and the core is flat in app/ (a package in app/ is a mode's)."""
     packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
-    assert packages == {"store", "election", "app", "app.rank", "app.aggregator", "app.cli"}, packages
+    assert packages == {"store", "election", "app", "app.rank", "app.address", "app.aggregator", "app.cli"}, packages
     assert {layer(m) for m in MODULES} == set(ALLOWED)
     assert [m for m in MODULES if layer(m) == "core" and m.count(".") != 1] == []
 
@@ -108,10 +108,10 @@ def test_dependencies_point_one_way() -> None:
     assert wrong == []
 
 
-def test_the_serving_helpers_program_imports_no_other_rank_module() -> None:
-    """``python -m app serving-helper`` serves with the core alone: it never loads the rank's Exporter, endpoint
-    or supervisor (it runs in its own process, and must not depend on what it serves for)."""
-    assert GRAPH["app.rank.helper"] & RANK_CODE == set()
+def test_the_address_servers_program_imports_no_rank_module() -> None:
+    """The address server serves with the core alone: it never loads a rank's Exporter, endpoint or standby
+    (it outlives the rank that started it, and must not depend on it)."""
+    assert GRAPH["app.address.server"] & RANK_CODE == set()
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -204,34 +204,38 @@ def test_the_aggregators_app_loads_no_rank_code(tmp_path: Path) -> None:
     assert [m for m in loaded if m.startswith("app.rank") or m.startswith("app.cli")] == []
 
 
-def test_the_serving_helper_loads_no_rank_code(tmp_path: Path) -> None:
-    """The helper's program serves /healthz (the owner, the warnings) with the core alone."""
+def test_the_address_server_loads_no_rank_code(tmp_path: Path) -> None:
+    """The address server's program serves /healthz (the owner, the warnings) with the core alone."""
     code = f"""
-import os, socket, http.client, json
+import os, socket, http.client, json, threading
 from pathlib import Path
-from app.rank.helper import HelperArgs, _import_serving, _serve
+import app.address.server as program
+from app.channel import ServerArgs
 listener = socket.create_server(("127.0.0.1", 0))
-args = HelperArgs(for_pid=os.getppid(), address="127.0.0.1:1", directory=Path({str(tmp_path)!r}), has_lock=False,
-                  problem=None, agent_name="a", stale_ttl_s=30.0, serving_since=None, replaced_at=1.0, log_level=30)
-server, thread, linger = _serve(_import_serving(), args, listener, None)
+args = ServerArgs(address="127.0.0.1:1", directory=Path({str(tmp_path)!r}), has_lock=False, problem=None,
+                  started_by=os.getppid(), agent_name="a", stale_ttl_s=30.0, serving_since=1.0, replaced_at=1.0,
+                  log_level=30)
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+server = program._Server(args, theirs, listener, None)
 connection = http.client.HTTPConnection(*listener.getsockname(), timeout=10)
 connection.request("GET", "/healthz")
 doc = json.loads(connection.getresponse().read())
-assert doc["owner"]["serving"] == "helper" and doc["warnings"][0]["kind"] == "directory-replaced", doc
-server.shutdown()
+assert doc["owner"]["serving"] == "helper" and doc["owner"]["started_by"] == os.getppid(), doc
+assert doc["warnings"][0]["kind"] == "directory-replaced", doc
+server.server.shutdown()
 """
     loaded = loaded_after(code)
     assert "app.web" in loaded and "app.health" in loaded
     assert [m for m in loaded if m in RANK_CODE or m.startswith(("app.aggregator", "app.cli"))] == []
 
 
-def test_helper_args_read_back_what_they_write() -> None:
-    from app.rank.helper import HelperArgs
+def test_server_args_read_back_what_they_write() -> None:
+    from app.channel import ServerArgs
 
-    args = HelperArgs(for_pid=12, address="127.0.0.1:9090", directory=Path("/run/x"), has_lock=False,
-                      problem="no lock", agent_name=None, stale_ttl_s=2.5, serving_since=1.5, replaced_at=None,
+    args = ServerArgs(address="127.0.0.1:9090", directory=Path("/run/x"), has_lock=False, problem="no lock",
+                      started_by=12, agent_name=None, stale_ttl_s=2.5, serving_since=1.5, replaced_at=None,
                       log_level=20)
-    assert HelperArgs.from_json(json.loads(json.dumps(args.to_json()))) == args  # as the channel carries it
+    assert ServerArgs.from_json(json.loads(json.dumps(args.to_json()))) == args  # as the channel carries it
 
 
 # -- every loopback request goes straight to the address --------------------------------------------------------

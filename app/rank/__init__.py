@@ -1,6 +1,5 @@
-"""A rank's side: its Exporter, the recording entry points, its claim on the scrape address, and the serving
-helper it starts (the supervisor here, the helper program in app.rank.helper).
+"""A rank's side: its Exporter, the recording entry points, its claim on the scrape address, and the start of
+the address server (whose program is app.address.server).
 
-Imported only by a rank: the standalone aggregator and the serving helper's own process never load
-app.rank.exporter, app.rank.endpoint or app.rank.supervisor.
+Imported only by a rank: the standalone aggregator and the address server never load it.
 """

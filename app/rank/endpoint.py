@@ -113,9 +113,10 @@ class ScrapeEndpoint:
 
     @property
     def serving(self) -> bool:
-        """This process serves the address: from its thread, or through the server it started, still running."""
+        """This process serves the address: from its thread, or through the server it started and has not seen
+        end (from the instant it handed the address over: connections wait in the backlog until it accepts)."""
         carrier = self._carrier
-        return self._listener is not None or (carrier is not None and carrier.ready)
+        return self._listener is not None or (carrier is not None and carrier.running)
 
     @property
     def lock_path(self) -> Path:
