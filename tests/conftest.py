@@ -131,7 +131,8 @@ def serve_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 # An address server is the job's: it outlives the rank that started it until the TTL after the last rank's last
 # update.  Each pytest worker is a child subreaper, so that every server started by a test (in this process or
 # in a rank the test started) becomes this worker's child once its launcher exits: the fixture below stops
-# and reaps the ones a test left, so that none serves into the next test or piles up over the run.
+# and reaps the ones a module's tests left (a module's fixtures may share one), so that none piles up over the
+# run.  Tests use a port and a directory of their own, so a server left until the module ends serves nobody else.
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -166,7 +167,7 @@ def stop_address_servers() -> None:
                 os.waitpid(int(entry), 0)
 
 
-@pytest.fixture(autouse=True)
-def _no_address_server_outlives_its_test() -> Iterator[None]:
+@pytest.fixture(autouse=True, scope="module")
+def _no_address_server_outlives_its_module() -> Iterator[None]:
     yield
     stop_address_servers()

@@ -131,7 +131,6 @@ class _Server:
         self.args = args
         self.channel: socket.socket | None = channel
         self.listener = listener
-        self.lock_fd = lock_fd
         self.log_file = log_path(args.directory, args.address)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._signals: set[int] = set()
@@ -142,7 +141,9 @@ class _Server:
         self._root.propagate = False
         self._handler: logging.Handler = ChannelHandler(channel, f"address server (pid {os.getpid()}): ")
         self._root.addHandler(self._handler)
-        election = OwnerElection(args.directory, args.address, problem=args.problem)
+        election = self.election = OwnerElection(args.directory, args.address, problem=args.problem)
+        if lock_fd is not None:
+            election.adopt(lock_fd)  # (no unlock and relock: the lock stays held throughout)
         owners = OwnerWatch(args.directory, args.address)
         self.collector = Collector(args.directory, args.stale_ttl_s)
 
@@ -175,8 +176,7 @@ class _Server:
         # answers being written finish (bounded) before the process exits.
         self.server.abandon()
         self.listener.close()
-        if self.lock_fd is not None:
-            os.close(self.lock_fd)
+        self.election.release()
         deadline = time.monotonic() + KILL_WAIT_S
         while self.server.busy() and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -190,17 +190,27 @@ class _Server:
         if self.channel is not None:
             poller.register(self.channel.fileno(), select.POLLIN)
         check_at = time.monotonic()
+        unlisted_since: float | None = None  # the directory could not be listed since then
         pong_owed = False
         while True:
             now = time.monotonic()
             if now >= check_at:
                 collection = self.collector.collect()
+                if self._replaced():
+                    return "the directory was removed and recreated: the ranks of the new one take the address"
                 if collection.scan_error is not None:
-                    return collection.scan_error  # the job's directory is gone
-                left_s = next_check_s(collection, self.args.stale_ttl_s)
-                if left_s is None:
-                    return "no rank is live and every departed rank's TTL has passed"
-                check_at = now + left_s
+                    # Unlistable (removed, its permissions changed): /healthz says so with a 503.  Ranks may still
+                    # live and the directory come back; nothing comes back after the TTL.
+                    unlisted_since = now if unlisted_since is None else unlisted_since
+                    if now - unlisted_since >= self.args.stale_ttl_s:
+                        return f"{collection.scan_error} for the TTL"
+                    check_at = now + MIN_CHECK_S
+                else:
+                    unlisted_since = None
+                    left_s = next_check_s(collection, self.args.stale_ttl_s)
+                    if left_s is None:
+                        return "no rank is live and every departed rank's TTL has passed"
+                    check_at = now + left_s
             timeout_s = 0.05 if pong_owed else max(0.0, check_at - time.monotonic())
             events = dict(poller.poll(int(timeout_s * 1000) + 1))
             if self._wake_r in events:
@@ -211,7 +221,9 @@ class _Server:
                     return "SIGTERM"
                 if signal.SIGUSR1 in signals:
                     collection = self.collector.collect()
-                    if not collection.live:
+                    if self._replaced():
+                        return "the directory was removed and recreated, and a rank of the new one asks for the port"
+                    if collection.scan_error is None and not collection.live:
                         return "a rank of another run asks for the port, and no rank is live here"
                     log.info("a rank of another run asks for %s, but %d rank(s) of %s are live: keeping it",
                              self.args.address, len(collection.live), self.args.directory)
@@ -229,6 +241,10 @@ class _Server:
                 log.error("the serving thread of %s ended; exiting so that a standby rank starts a new server",
                           self.args.address)
                 return None
+
+    def _replaced(self) -> bool:
+        """The lock file at our path is another one than ours: a new directory took the old one's place."""
+        return self.election.path.exists() and self.election.lock_file_replaced()
 
     def _read_channel(self, poller: select.poll) -> bool:
         """Read what the rank sent; whether a ping wants its answer."""
