@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from app.rank.exporter import Exporter, NullExporter, create_exporter
 
 __all__ = ["Config", "ConfigError", "Exporter", "NullExporter", "create_exporter", "wsgi"]
-# Loaded on first use (PEP 562), so that the serving helper and the gunicorn aggregator, which import this
+# Loaded on first use (PEP 562), so that the address server and the gunicorn aggregator, which import this
 # package too, never load a rank's code.
 _LAZY = {"Config": "app.config", "ConfigError": "app.config", "Exporter": "app.rank.exporter",
          "NullExporter": "app.rank.exporter", "create_exporter": "app.rank.exporter"}

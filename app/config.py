@@ -165,7 +165,7 @@ class Config:
     stale_ttl_s: float = DEFAULT_TTL_S
     buckets: tuple[float, ...] = ()
     enabled: frozenset[EventType] = frozenset(EventType)
-    serve: str = SERVE_MODES[0]  # who serves an elected rank's address: its helper process, or a thread of its own
+    serve: str = SERVE_MODES[0]  # who serves an elected rank's address: the address server, or a thread of its own
 
     @property
     def host(self) -> str:

@@ -1,4 +1,4 @@
-"""The /healthz contract, one for the three ways an address is served (a rank's thread, its serving helper,
+"""The /healthz contract, one for the three ways an address is served (a rank's thread, an address server,
 the gunicorn aggregator): the ``owner`` document, the warnings and the duplicate-owner watch.
 
 Only documents are built here; who serves them is the caller's business (app.web's MetricsApp answers them).
@@ -63,18 +63,15 @@ class OwnerWatch:
     """Other live owners of the directory, each warned about once.
 
     Checked when an Exporter starts, then at most every WATCH_INTERVAL_NS from
-    the owner's periodic check (its scrapes, or its helper's supervisor) and
-    the writers' re-elections: the rank that elected first also learns of a
-    second owner that appeared after it.  ``logs=False`` (a serving helper,
-    whose rank logs the same check) only reports it in /healthz: one rank, one
-    line per other address.
+    the owner's scrapes and the writers' re-elections: the owner that elected
+    first also learns of a second owner that appeared after it.
     """
 
     WATCH_INTERVAL_NS = 10_000_000_000
 
-    def __init__(self, directory: Path, address: str, logs: bool = True) -> None:
+    def __init__(self, directory: Path, address: str) -> None:
         self.directory, self.address = directory, address
-        self._warner = OnceWarner(log) if logs else None
+        self._warner = OnceWarner(log)
         self._next_ns = 0
 
     def check(self) -> list[WarningDoc]:
@@ -85,9 +82,8 @@ class OwnerWatch:
         message = (f"{self.directory} is also served on {', '.join(others)}: every such address exports every "
                    "rank, so a Prometheus scraping more than one sees each series twice. Give every rank the same "
                    "NIXL_TELEMETRY_PROMETHEUS_PORT and NIXL_TELEMETRY_PROMETHEUS_LOCAL.")
-        if self._warner is not None:
-            for other in others:
-                self._warner.warn(other, "%s", message)
+        for other in others:
+            self._warner.warn(other, "%s", message)
         return [{"kind": "duplicate-owners", "message": message, "details": {"addresses": [self.address, *others]}}]
 
     def poll(self) -> None:

@@ -2,9 +2,8 @@
 
 A rank's logging is the host's: its handlers may write to a pipe a launcher reads slowly, or not at all, and
 a write to a full pipe blocks.  A scrape thread that logs (the collector warns about a bad store file, once
-per file) would then hang until the connection's deadline cuts it, and so would a helper's supervisor
-re-emitting the helper's lines.  So the threads that serve (connection and serving threads, a helper's
-supervisor: :func:`never_block_on_logs`) hand their records of this package's loggers to a bounded queue
+per file) would then hang until the connection's deadline cuts it.  So the threads that serve (connection and
+serving threads: :func:`never_block_on_logs`) hand their records of this package's loggers to a bounded queue
 instead, and one thread of their own emits them through the host's handlers, in order, whatever it waits
 for.  The records stay the host's: same loggers, same handlers, same levels and filters; a full queue drops
 records, and says how many with the next one that goes through.

@@ -1,7 +1,7 @@
 """The HTTP server of an address: werkzeug's threaded server on a socket we bound, made safe for a host.
 
-Used wherever this project serves: a rank's endpoint (from a thread, or from its serving helper process, see
-app.rank.helper), the demo's aggregator and the benchmarks.  What it adds to werkzeug: the request path of
+Used wherever this project serves: the address server (app.address.server), a rank serving from a thread
+(app.rank.endpoint), the demo's aggregator and the benchmarks.  What it adds to werkzeug: the request path of
 app.http (persistent connections, one write per answer, pooled threads), a bound on connections and on how long
 each request may last, accept() backing off while descriptors run out, no traceback on a client's error, no log
 line per scrape, and a registry of every listener this process holds, closed in a forked child (a child holding
@@ -100,8 +100,7 @@ def close_listener(sock: socket.socket) -> None:
 
 def holding_off_fork() -> threading.RLock:
     """The lock fork() waits for: held, it makes the descriptors created meanwhile and recorded by the holder
-    (the serving helper's pidfd and channel, see app.rank.supervisor) either absent from a child or known to its
-    hooks."""
+    (the channel to an address server, see app.rank.endpoint) either absent from a child or known to its hooks."""
     return _guard.lock
 
 
@@ -122,7 +121,6 @@ class BoundedServer(ThreadedWSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._stopping = threading.Event()
-        self._retiring = False  # retire(): stop accepting, let the connections finish (a hand-over)
         self._stopped = threading.Event()  # stop() was called
         self._accept_backoff_s = 0.0
         self._refusal_logged = False
@@ -192,51 +190,26 @@ class BoundedServer(ThreadedWSGIServer):
     def server_close(self) -> None:
         """Close the listener and cut every open connection: nothing serves after close().
 
-        (werkzeug's serve_forever calls this as it returns: after retire(), the connections are left to finish.)
+        (werkzeug's serve_forever calls this as it returns.)
         """
         close_listener(self.socket)
-        if self._retiring or getattr(self, "connections", None) is None:
+        if getattr(self, "connections", None) is None:
             return
         self.connections.cut_all()
-
-    def retire(self) -> None:
-        """Stop accepting and close our duplicate of the listener, but let the open connections finish.
-
-        For a hand-over: the listener stays open in the process taking over (the serving helper), which
-        accepts what waits in the backlog, so no connection is refused or cut.  Call from any thread but the
-        serving one; stop() still cuts and joins what is left.
-        """
-        self._retiring = True
-        self._stopping.set()
-        if self.serve_thread is not None and self.serve_thread.is_alive():
-            self.shutdown()
-        close_listener(self.socket)
-        self.connections.close_all(idle_only=True)  # those waiting for a next request go; the others finish theirs
-        # The serving loop also cut connections past their deadline (a client trickling a byte now and then
-        # would hold its thread for ever): a thread of its own keeps doing that until the last one is done.
-        drain = threading.Thread(target=self._cut_overdue_until_idle, name=f"{self.serve_thread.name}-drain"
-                                 if self.serve_thread is not None else "nixl-metrics-drain", daemon=True)
-        with contextlib.suppress(RuntimeError):  # no thread: the connections' per-read timeout still holds
-            drain.start()
-            self.serve_thread = drain  # what stop() joins
 
     def abandon(self) -> None:
         """For a process about to exit: stop accepting at once, and keep no connection for another request.
 
-        Unlike retire() it does not wait for the serving loop to notice (up to _POLL_S): a lingering helper
-        leaving the address to a standby frees the port now, and exits once the answers being written are.
+        It does not wait for the serving loop to notice (up to _POLL_S): an address server giving the address up
+        frees the port now (a standby that wins the lock next must find it free), and exits once the answers
+        being written are.
         """
         self._stopping.set()
         close_listener(self.socket)
         self.connections.close_all(idle_only=True)
 
-    def _cut_overdue_until_idle(self) -> None:
-        never_block_on_logs()
-        while not self._stopped.wait(_POLL_S) and self.busy():
-            self.service_actions()
-
     def busy(self) -> bool:
-        """Whether a connection thread of this server still runs (after retire(): a connection is still open)."""
+        """Whether a connection thread of this server still runs (after abandon(): a connection is still open)."""
         return self.connections.busy()
 
     def stop(self, timeout_s: float = _STOP_JOIN_S) -> None:
@@ -247,7 +220,6 @@ class BoundedServer(ThreadedWSGIServer):
         """
         self._stopping.set()
         self._stopped.set()
-        self._retiring = False  # (a retired server's connections are cut now too)
         self.connections.close_all()
         me = threading.current_thread()
         if me is self.serve_thread:
@@ -281,9 +253,9 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(128)
         # Non-blocking, for every holder of this socket (the flag belongs to the open file description, which
-        # a serving helper shares): where two processes poll one listener (a thread server handing over to
-        # the helper), both wake for a connection and one of them accepts it; the other's accept() must
-        # fail with EAGAIN, which socketserver ignores, not block its serving loop until the next client.
+        # the address server is handed): where two threads or processes poll one listener, both wake for a
+        # connection and one of them accepts it; the other's accept() must fail with EAGAIN, which
+        # socketserver ignores, not block its serving loop until the next client.
         sock.setblocking(False)
     except BaseException:
         close_listener(sock)
@@ -299,10 +271,8 @@ def _serve_forever(server: BoundedServer) -> None:
 def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedServer, threading.Thread]:
     """A threaded werkzeug server on a duplicate of the bound socket ``sock``, on a daemon thread.
 
-    The caller keeps ``sock`` (and closes it): a rank holds its listener for as long as it serves, whoever
-    accepts on it, so that its serving helper can be restarted and the thread server retired without the
-    port ever being free.  On failure (no descriptor for werkzeug's duplicate, no thread) the duplicate is
-    closed before the error propagates.
+    The caller keeps ``sock`` (and closes it once the server is stopped).  On failure (no descriptor for
+    werkzeug's duplicate, no thread) the duplicate is closed before the error propagates.
     """
     host, port = sock.getsockname()[:2]
     with _guard.lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists

@@ -380,3 +380,15 @@ def test_an_exporter_in_this_process_leaves_the_server_serving_after_close(tmp_d
         exporter.close()
     assert not exporter.serving
     assert _counts(try_scrape(port)) == {os.getpid(): 7.0}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root rank's server")
+def test_a_root_ranks_server_keeps_no_capability_it_does_not_need(tmp_dir: Path, reaper: Reaper) -> None:
+    port = free_port()
+    _start(reaper, tmp_dir, port, rate=0)
+    server = _server(port)
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{server}/status").read_text().splitlines()
+                  if ":\t" in line)
+    assert status["Uid"].split()[0] == "0"  # the stores are root's: a reader skips another owner's
+    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, status  # the directory is root's
+    assert _counts(try_scrape(port)) != {}  # and it serves all the same (the port below 1024 or not)

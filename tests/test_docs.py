@@ -316,3 +316,22 @@ def test_example_ports_are_not_prometheuss_own() -> None:
     assert len(ports) == 1, ports  # README, operations.md and cpp-interop.md's examples
     config = README.read_text().split("\n## Configuration\n", 1)[1]
     assert "| `NIXL_TELEMETRY_PROMETHEUS_PORT` | scrape port, 1..65535 | 9090 |" in config  # the default stays
+
+
+def _cited_tests(text: str) -> list[tuple[str, str]]:
+    """(file, test) for every ``test_x.py::test_y`` and every ``::test_y`` (of the file named last) in ``text``."""
+    cited, current = [], None
+    for file, name in re.findall(r"`(?:tests/)?(test_\w+\.py)?(?:::(test_\w+))?", text):
+        current = file or current
+        if name and current is not None:
+            cited.append((current, name))
+    return cited
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+def test_every_test_a_page_cites_exists(page: Path) -> None:
+    """A guarantee names the test that shows it: that test must be there, under that name."""
+    missing = [f"{file}::{name}" for file, name in _cited_tests(page.read_text())
+               if not re.search(rf"^(?:async )?def {name}\(", (REPO / "tests" / file).read_text()
+                                if (REPO / "tests" / file).exists() else "", re.MULTILINE)]
+    assert missing == []

@@ -285,7 +285,9 @@ def test_foreign_owned_files_are_never_read_nor_reaped_and_warned_once_each(tmp_
 
     monkeypatch.setattr(app.collector, "decode_named", decode_named)
     caplog.set_level(logging.WARNING)
-    with Exporter("good", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")) as exp:
+    # Served from a thread of this process: the collector whose reads are counted above is this process's.
+    env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0", NIXL_PROMETHEUS_MP_SERVE="thread")
+    with Exporter("good", env) as exp:
         exp.export_event(EventType.AGENT_RX_BYTES, 5)
         for _ in range(3):
             samples = parse_exposition(scrape(port))

@@ -66,6 +66,9 @@ LOG_MAX_BYTES = 1 << 20  # the log file is rotated at this size, one old file ke
 KILL_WAIT_S = 2.0  # how long an exiting server lets the answers being written finish
 _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 _PR_SET_NAME = 15  # <linux/prctl.h>
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>
+_DAC_CAPABILITIES = (1 << 1) | (1 << 2) | (1 << 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
 _SCARCE = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
@@ -91,10 +94,8 @@ def next_check_s(collection: Collection, ttl_s: float) -> float | None:
     """
     if collection.live:
         return max(MIN_CHECK_S, min(CHECK_S, ttl_s))
-    pending = [view.reap_in_s for view in collection.stale if (view.reap_in_s or 0.0) > 0]
-    if not pending:
-        return None
-    return max(pending)
+    pending = [view.reap_in_s for view in collection.stale if view.reap_in_s is not None and view.reap_in_s > 0]
+    return max(pending, default=None)
 
 
 def main() -> None:
@@ -112,6 +113,7 @@ def main() -> None:
         if flags & socket.MSG_CTRUNC:  # no descriptor free for what it sent
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
         args = ServerArgs.from_json(json.loads(data[1:]))
+        _drop_capabilities(args.directory)
         server = _Server(args, channel, socket.socket(fileno=fds[0]), fds[1] if len(fds) > 1 else None)
     except BaseException as exc:
         with contextlib.suppress(OSError):  # best effort, never blocking: the rank logs why we failed
@@ -124,6 +126,27 @@ def _set_comm(name: str) -> None:
     """PR_SET_NAME: ``ps -e`` and /proc/PID/comm name the server, not "python" (nothing else changes)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode(), 0, 0, 0)
+
+
+def _drop_capabilities(directory: Path) -> None:
+    """Keep no capability the server does not need (a root rank's would be all of them): none, or only those
+    that read and reap a directory of another owner (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER).
+
+    Its uid stays the rank's: the stores are the rank's, and a reader skips stores of another owner.  The
+    listener and the lock were handed over open, so neither a low port nor the lock file needs anything.
+    """
+    if os.geteuid() != 0:
+        return  # an unprivileged process has no capability to drop (unless granted by file: never to python)
+    try:
+        keep = 0 if os.stat(directory).st_uid == os.geteuid() else _DAC_CAPABILITIES
+    except OSError:
+        keep = _DAC_CAPABILITIES
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)  # (effective, permitted, inheritable) x 2 words
+    if libc.capset(header, data) != 0:
+        log.warning("the address server could not drop its capabilities: %s", os.strerror(ctypes.get_errno()))
 
 
 class _Server:

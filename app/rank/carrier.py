@@ -58,11 +58,6 @@ class Carrier:
         _carriers.add(self)
 
     @property
-    def ready(self) -> bool:
-        """The server said it accepts connections, and has not been seen to end."""
-        return self.pid is not None and self._thread.is_alive()
-
-    @property
     def running(self) -> bool:
         """The server has not been seen to end (it may still be starting: connections wait in the backlog)."""
         return self._thread.is_alive() and not self._closing

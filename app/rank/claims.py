@@ -40,7 +40,7 @@ class TakeOver:
     claim: Claim
     reason: str | None = None  # SHORT: why
     bind_error: OSError | None = None  # UNBOUND: the bind's error
-    no_helper: str | None = None  # SERVING: why the address is served from a thread, not a helper process
+    no_helper: str | None = None  # SERVING: why the address is served from a thread, not an address server
 
     def next_claim_ns(self, now_ns: int) -> int:
         """When to try again: soon after a loss, later after a concession, never once serving (or closed)."""
@@ -90,7 +90,7 @@ class ClaimLog:
                         self.address, reason, BACKOFF_NS // 1_000_000_000)
 
     def _no_helper(self, reason: str) -> None:
-        _warner.warn(("no-helper", reason), "%s cannot be served from a helper process (%s); this process serves "
+        _warner.warn(("no-helper", reason), "%s cannot be served from an address server (%s); this process serves "
                      "it from a thread instead, which a busy or stopped process holds up (set "
                      "NIXL_PROMETHEUS_MP_SERVE=thread to choose that and silence this warning)", self.address, reason)
 

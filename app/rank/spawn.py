@@ -99,12 +99,11 @@ class Launched:
         if self.launcher_fd < 0:
             return True
         try:
-            result = os.waitid(os.P_PIDFD, self.launcher_fd, os.WEXITED | (0 if block else os.WNOHANG))
+            if os.waitid(os.P_PIDFD, self.launcher_fd, os.WEXITED | (0 if block else os.WNOHANG)) is None:
+                return False  # not yet
         except ChildProcessError:  # a host that ignores SIGCHLD or reaps in its own handler got there first
-            result = True
+            pass
         except OSError:
-            return False
-        if result is None:
             return False
         self.launcher.returncode = 0  # Popen must never try to reap (or remember to reap) it again
         os.close(self.launcher_fd)
