@@ -28,7 +28,7 @@ JUDGED_MODE = SERVE_MODES[0]
 BUSY_LIMIT = 1.3  # a busy rank's scrape at most this much slower than its idle one
 STALL_MARGIN_S = 0.002  # the recording loop's longest stall with scrapes at most this much longer than without
 FROZEN_LIMIT_S = 1.0  # the worst scrape while the serving rank holds its GIL or is stopped
-TAKEOVER_LIMIT_S = 0.5  # from the serving rank's SIGKILL to a 200 from the rank taking over
+TAKEOVER_LIMIT_S = 0.5  # from the SIGKILL of the process holding the address to a 200 from another one
 RESPAWN_LIMIT_S = 0.5  # from the helper's SIGKILL (its rank alive) to a 200 again
 
 

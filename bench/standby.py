@@ -30,6 +30,7 @@ from typing import Any
 from app.config import SERVE_MODES
 from bench.common import Worker, free_port, http_get, log
 from bench.scenarios import (
+    _UNANSWERED,
     Results,
     Settings,
     _ours_env,
@@ -93,6 +94,14 @@ def standby(settings: Settings, results: Results) -> None:
         f"{out['new_run']['other_s'] * 1e3:.0f} ms (another directory)")
 
 
+def _get(port: int, path: str = "/metrics", timeout: float = 5.0) -> tuple[int | None, bytes]:
+    """One GET: (status, body), status None when nothing answered (refused, cut, timed out)."""
+    try:
+        return http_get(port, path, timeout=timeout)
+    except _UNANSWERED:
+        return None, b""
+
+
 def _server_of(port: int) -> int:
     done = _poll_until(lambda: _owner(port)["server_pid"], 30, 0.01)
     if done is None:
@@ -108,7 +117,7 @@ def _rank_death(directory: Path) -> tuple[int, int]:
 
     def poll() -> None:
         while not stop.is_set():
-            counts[0 if http_get(port, timeout=5.0)[0] == 200 else 1] += 1
+            counts[0 if _get(port)[0] == 200 else 1] += 1
             stop.wait(0.005)
 
     try:
@@ -177,7 +186,8 @@ class _Scraper:
     """One Prometheus of an HA pair: scrapes every second; every answer's agent_tx_bytes_total by pid."""
 
     def __init__(self, port: int, offset_s: float) -> None:
-        self.port, self.seen = port, []
+        self.port = port
+        self.seen: list[tuple[float, dict[int, int] | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(offset_s,), daemon=True)
         self._thread.start()
@@ -185,7 +195,7 @@ class _Scraper:
     def _run(self, offset_s: float) -> None:
         self._stop.wait(offset_s)
         while not self._stop.is_set():
-            status, body = http_get(self.port, timeout=5.0)
+            status, body = _get(self.port)
             self.seen.append((time.monotonic(), _tx_bytes(body.decode()) if status == 200 else None))
             self._stop.wait(1.0)
 
@@ -222,7 +232,7 @@ def _job_end(directory: Path, ending: str) -> int:
                 worker.receive()
         _stop_all(workers)
         ended = time.monotonic()
-        http_get(port, timeout=5.0)  # an operator's curl right after the end
+        _get(port)  # an operator's curl right after the end
         snaps = [read_snapshot(path) for path in directory.glob("nixl.*.mmap")]
         truth = {s.pid: s.counters[EventType.AGENT_TX_BYTES] for s in snaps if isinstance(s, Snapshot)}
         deadline = ended + END_TTL_S
@@ -251,7 +261,7 @@ def _idle(directory: Path) -> dict[str, float]:
         cpu_per_s = (_cpu_s(server) - before) / 4.0
         snaps = [read_snapshot(path) for path in directory.glob("nixl.*.mmap")]
         expiry_s = max(s.last_update_ns for s in snaps if isinstance(s, Snapshot)) / 1e9 + ttl_s
-        done = _poll_until(lambda: http_get(port, "/healthz", timeout=0.5)[0] is None or None, 30, 0.01)
+        done = _poll_until(lambda: _get(port, "/healthz", timeout=0.5)[0] is None or None, 30, 0.01)
         free_after = float("inf") if done is None else done[0] - expiry_s
         return {"cpu_per_s": cpu_per_s, "free_after_ttl_s": free_after}
     finally:
@@ -269,19 +279,19 @@ def _new_run(directory: Path, other: Path) -> dict[str, Any]:
 
         def poll() -> None:
             while not stop.is_set():
-                failed[0] += http_get(port, timeout=5.0)[0] != 200
+                failed[0] += _get(port)[0] != 200
                 stop.wait(0.02)
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         workers.append(Worker("rank", env, "0"))
-        _poll_until(lambda: workers[1].pid in _tx_bytes(http_get(port)[1].decode()) or None, 10, 0.02)
+        _poll_until(lambda: workers[1].pid in _tx_bytes(_get(port)[1].decode()) or None, 10, 0.02)
         stop.set()
         poller.join()
         workers[1].call("close")
         newcomer = Worker("rank", {**env, "NIXL_TELEMETRY_MULTIPROC_DIR": str(other)}, "0")
         workers.append(newcomer)
-        done = _poll_until(lambda: json.loads(http_get(port, "/healthz")[1])["directory"] == str(other) or None,
+        done = _poll_until(lambda: json.loads(_get(port, "/healthz")[1])["directory"] == str(other) or None,
                            10, 0.002)
         return {"same_failed": failed[0], "other_s": float("inf") if done is None else
                 done[0] - newcomer.hello["constructing"]}

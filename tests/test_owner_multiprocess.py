@@ -7,6 +7,7 @@ the test process scrapes it over a real socket. Every process is reaped by the `
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from support import (  # noqa: F401  (pytest fixtures)
     DEADLINE_S,
+    START_DEADLINE_S,
     ExporterRank,
     Reaper,
     free_port,
@@ -36,7 +38,7 @@ from support import (  # noqa: F401  (pytest fixtures)
 from election import held_addresses_except, lock_file_name
 from store import EventType
 
-pytestmark = pytest.mark.usefixtures("serve_mode")  # each test with the owner serving from its helper, then a thread
+pytestmark = pytest.mark.usefixtures("serve_mode")  # each test served by an address server, then from a thread
 
 E = EventType
 BUCKETS = "10,100,1000"
@@ -118,8 +120,14 @@ def expected_exposition(events: list[tuple[EventType, int]], labels: dict[str, o
     return out
 
 
-def owner_pid(port: int) -> int:
-    return healthz(port)["owner"]["pid"]
+def serving_rank(port: int) -> int:
+    """The rank that serves ``port``: the one that started its address server, or serves from its thread."""
+    return healthz(port)["owner"]["started_by"]
+
+
+def holder_pid(port: int) -> int:
+    """The process that holds ``port``: the address server (helper mode), the serving rank (thread mode)."""
+    return healthz(port)["owner"]["server_pid"]
 
 
 def test_four_ranks_behind_one_endpoint_with_exact_values(tmp_dir: Path, reaper) -> None:
@@ -142,7 +150,7 @@ def test_four_ranks_behind_one_endpoint_with_exact_values(tmp_dir: Path, reaper)
     assert samples == expected
 
     doc = healthz(port)
-    assert doc["owner"]["pid"] == ranks[0].pid
+    assert doc["owner"]["started_by"] == ranks[0].pid
     assert sorted(r["pid"] for r in doc["live"]) == sorted(r.pid for r in ranks)
     assert doc["stale"] == [] and doc["warnings"] == []
 
@@ -209,31 +217,32 @@ def test_writer_behind_a_sibling_owner_is_quiet(tmp_dir: Path, reaper) -> None:
     assert len(lost) == 1 and f"127.0.0.1:{port}" in lost[0]  # said once, at INFO
 
 
-def test_writer_takes_over_within_a_second_of_the_owner_being_sigkilled(tmp_dir: Path, reaper) -> None:
+def test_the_address_is_served_again_after_its_holder_is_sigkilled(tmp_dir: Path, reaper,
+                                                                    serve_mode: str) -> None:
+    """Helper mode: the address server is SIGKILLed (both ranks live, and both stand by: either starts the next
+    one); thread mode: the serving rank is, and the other rank serves.  Nobody's values are lost."""
     port = free_port()
     owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
     owner.events([(E.AGENT_TX_BYTES, 1234)])
     writer = start_exporter_rank(reaper, tmp_dir, port, agent="writer", tick_hz=10)
     assert not writer.serving_at_start
-    assert owner_pid(port) == owner.pid
+    assert serving_rank(port) == owner.pid
+    holder = holder_pid(port)
+    if serve_mode == "thread":
+        assert holder == owner.pid
+        owner.kill()
+        successors = {writer.pid}
+    else:
+        assert holder not in (owner.pid, writer.pid)  # a process of its own
+        os.kill(holder, signal.SIGKILL)
+        successors = {owner.pid, writer.pid}
 
-    killed_at = time.monotonic()
-    owner.kill()
-    body = None
-    while body is None:
-        body = try_scrape(port, timeout=1.0)
-        assert time.monotonic() - killed_at < DEADLINE_S, "nobody took the address over"
-        if body is None:
-            time.sleep(0.005)
-    gap = time.monotonic() - killed_at
-    print(f"/metrics answered again {gap:.3f} s after the owner was killed")
-    assert gap < 1.0, f"/metrics answered again {gap:.3f} s after the owner was killed"
-
-    # (The first answers may still be the dead owner's helper's, which serves until it has seen that a standby
-    # waits for the address: app.rank.linger.)
-    wait_until(lambda: owner_pid(port) == writer.pid, timeout=DEADLINE_S)
+    # A fresh interpreter starting the new server on a loaded machine: a bound only a hang reaches (bench
+    # measures how fast).
+    wait_until(lambda: holder_pid(port) != holder and serving_rank(port) in successors, timeout=START_DEADLINE_S,
+               message="a standby serving the address again")
     samples = parse_exposition(scrape(port))
-    assert pids_in(samples) == {owner.pid, writer.pid}  # the dead owner's store is still published
+    assert pids_in(samples) == {owner.pid, writer.pid}  # the owner's store is still published (thread mode: stale)
     owner_tx = [v for key, v in select_pid(samples, owner.pid).items() if key[0] == "agent_tx_bytes_total"]
     assert owner_tx == [1234]
 
@@ -246,15 +255,20 @@ def test_port_held_by_a_foreign_socket_warns_then_a_rank_takes_over(tmp_dir: Pat
         ranks = [start_exporter_rank(reaper, tmp_dir, port, agent=f"rank-{i}", tick_hz=20) for i in range(2)]
         for rank in ranks:
             assert not rank.serving_at_start
-            warnings = [line for line in rank.stderr().splitlines() if line.startswith("WARNING")]
-            assert any(address in line and "cannot bind" in line for line in warnings), rank.stderr()
+
+            def warned(rank: ExporterRank = rank) -> bool:
+                # Each rank, once it wins the election and its bind fails (at construction, or later: a ticking
+                # sibling holds the election while it asks the port's holder for /healthz).
+                return any(line.startswith("WARNING") and address in line and "cannot bind" in line
+                           for line in rank.stderr().splitlines())
+
+            wait_until(warned, message=f"pid {rank.pid} warning that it cannot bind {address}")
         assert not any(r.serving() for r in ranks)
-        assert held_addresses_except(tmp_dir, "127.0.0.1:1") == []  # the election was conceded
     finally:
         foreign.close()
-    # every rank backs off 5 s after its failed bind; the first to retry once the port is free serves
-    wait_for_metrics(port, timeout=10.0)
-    assert owner_pid(port) in {r.pid for r in ranks}
+    # the first rank to retry once the port is free serves (helper mode: through the server it starts)
+    wait_for_metrics(port, timeout=START_DEADLINE_S)
+    assert serving_rank(port) in {r.pid for r in ranks}
     wait_until(lambda: [r.serving() for r in ranks].count(True) == 1, message="exactly one serving rank")
 
 
@@ -315,7 +329,7 @@ def test_foreign_owned_lock_held_elsewhere_cannot_leave_the_run_unscrapeable(tmp
     warnings = [line for line in rank.stderr().splitlines() if line.startswith("WARNING")]
     assert any(str(lock) in line and "unusable" in line for line in warnings), rank.stderr()
     doc = healthz(port)
-    assert doc["owner"]["pid"] == rank.pid
+    assert doc["owner"]["started_by"] == rank.pid
     assert doc["owner"]["election"] == "bind-fallback"
     unusable = [w for w in doc["warnings"] if w["kind"] == "unusable-lock"]
     assert len(unusable) == 1 and unusable[0]["details"] == {"lock_file": str(lock)}

@@ -56,7 +56,8 @@ def hold_election(config: Config) -> Outcome:
             if named or not logged:
                 logged = True
                 log.warning("%s holds the owner election of %s; the aggregator waits for the address (until "
-                            "that process exits)", holder, config.address)
+                            "that process exits: an address server does once its job's ranks are gone and past "
+                            "their TTL)", holder, config.address)
         time.sleep(_WAIT_S)
     master.election, master.pid, master.since = election, os.getpid(), time.time()
     return outcome
@@ -73,6 +74,9 @@ def describe_holder(config: Config, pid: int | None) -> tuple[str, bool]:
     answer = get_healthz(host, config.port)
     owner = answer.owner
     if owner is not None:
+        if owner.get("serving") == "helper":  # a job's address server: it goes once nothing is left to publish
+            return (f"the address server pid {owner.get('pid')} on {owner.get('hostname')} (started by rank pid "
+                    f"{owner.get('started_by')}, agent {owner.get('agent_name')})"), True
         what = f"pid {owner.get('pid')} on {owner.get('hostname')} ({owner.get('mode')}"
         return what + (f", agent {owner['agent_name']})" if owner.get("agent_name") else ")"), True
     serving = answer.status is not None  # it answers HTTP, without our /healthz; else nothing answers (yet)
