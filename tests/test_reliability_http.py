@@ -15,6 +15,7 @@ import pytest
 from support import (
     Reaper,
     free_port,
+    healthz,
     http_request,
     metrics_url,
     parse_exposition,
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.reliability
 
 
 class Server:
-    def __init__(self, pid: int, port: int, rank) -> None:
+    def __init__(self, pid: int, port: int, rank) -> None:  # pid: the serving process
         self.pid, self.port, self.rank = pid, port, rank
 
     def url(self, path: str = "/metrics") -> str:
@@ -68,7 +69,10 @@ def server(tmp_path_factory) -> Iterator[Server]:
     with Reaper() as reaper:
         rank = start_exporter_rank(reaper, directory, port, agent="served", tick_hz=20)
         assert rank.serving_at_start
-        yield Server(rank.pid, port, rank)
+        # The process that answers (the address server, or the rank itself in thread mode) is the one whose
+        # threads, descriptors and memory must stay bounded.
+        serving = wait_until(lambda: healthz(port)["owner"]["server_pid"], message="the serving process")
+        yield Server(serving, port, rank)
         assert "Traceback" not in rank.stderr(), rank.stderr()[-3000:]
 
 
