@@ -13,8 +13,8 @@ WSGIRequestHandler builds the WSGI environ; what is ours is what happens around 
   far as it was declared, and only a body we stopped reading is drained, after the client was told EOF.
 * **One write per answer**: the status line, the headers and the body in one ``sendmsg`` (no copy of the body).
 * **Pooled threads**: a connection is served by an idle thread of the server's when there is one; a few stay
-  idle between connections (SPARE_WORKERS, for SPARE_IDLE_S), and every one ends when the server retires or
-  stops.
+  idle between connections (SPARE_WORKERS, for SPARE_IDLE_S), and every one ends when the server stops or is
+  abandoned.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class PersistentHandler(WSGIRequestHandler):
         finally:
             close = getattr(app_iter, "close", None)
             if close is not None:
-                close()  # (MetricsApp is told there that its body was written)
+                close()
         if answer.sent_head:
             self.log_request(answer.code, answer.length if answer.length is not None else "-")
         if length is None:
@@ -285,7 +285,7 @@ class Connections:
         self._jobs: queue.SimpleQueue[tuple[socket.socket, Any] | None] = queue.SimpleQueue()
         self._spare = 0  # pool threads waiting on _jobs
         self.workers: set[threading.Thread] = set()
-        self.keep_alive = True  # False once the server retires or stops: no connection waits for another request
+        self.keep_alive = True  # False once the server stops or is abandoned: no connection waits for another request
 
     def admit(self, sock: socket.socket) -> bool:
         """Register a new connection, closing the longest idle one if the server is full; False: still full."""
