@@ -218,11 +218,12 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
                 _failures(procs, reported)
                 return 0
         _report_ended(procs, reported, interactive)
+        final = totals.line()  # the ranks' final values, read before the server reaps them after the TTL
         _failures(procs, reported)
         if interactive:
             _show("")
         _serve_final_values(args.port, float(env[TTL_ENV]), stop)
-        _show(totals.line())  # the last line: the totals, the departed ranks' final values included
+        _show(final)  # the last line: the totals, every rank's final values included
         return 0
     finally:
         _stop_ranks(procs)
