@@ -24,6 +24,7 @@ from gunicorn.glogging import Logger
 from app.aggregator.hooks import hold_election, port_problem, refuse_reexec, release_election, worker_forked
 from app.aggregator.settings import gunicorn_counts, gunicorn_overrides, prepare_standalone
 from app.config import Config, ConfigError
+from app.http import MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 
 _log = logging.getLogger("nixl_prometheus_mp")
 if not _log.handlers:  # our log lines, formatted like gunicorn's
@@ -47,6 +48,13 @@ except ConfigError as _exc:
 
 bind = [_config.address]
 worker_class = "gthread"
+# The request bounds of the ranks' server (app.http): the request line and the number of header fields.  gunicorn
+# bounds each field (here as long as a request line) where app.http bounds their total (MAX_HEADER_BYTES):
+# gunicorn has no such setting, so a request here may hold up to 64 x 8 KiB of fields, in the operator's own
+# worker process, not in a rank.
+limit_request_line = MAX_REQUEST_LINE
+limit_request_fields = MAX_HEADER_FIELDS
+limit_request_field_size = MAX_REQUEST_LINE
 timeout = 30
 graceful_timeout = 5
 accesslog = None

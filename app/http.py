@@ -15,14 +15,26 @@ WSGIRequestHandler builds the WSGI environ; what is ours is what happens around 
 * **Pooled threads**: a connection is served by an idle thread of the server's when there is one; a few stay
   idle between connections (SPARE_WORKERS, for SPARE_IDLE_S), and every one ends when the server stops or is
   abandoned.
+* **Bounded requests** (the endpoint listens on 0.0.0.0 in someone else's program): a request line of at most
+  MAX_REQUEST_LINE bytes (414 beyond), at most MAX_HEADER_FIELDS header fields and MAX_HEADER_BYTES of them
+  in all (431 beyond); http.server alone allows 64 KiB per line and 100 lines, 6.4 MB a request.  Real
+  scrapers send a few hundred bytes.
+* **A status line for every bad request**: http.server answers a request line it cannot read the HTTP/0.9 way
+  (a bare HTML body), and takes ``Content-Length: ²`` for a number; here a malformed request line is a 400, an
+  unknown version a 505, an invalid Content-Length a 400 (RFC 9112), each an HTTP/1.1 answer.
+* **Fair slots**: no peer address holds more than a PEER_SHARE-th of the connections, and when the server is
+  full the busiest peer's longest idle connection goes first (Connections.admit): one host re-opening slow
+  requests cannot starve a Prometheus scraping from another.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import http.client
 import io
 import queue
+import re
 import socket
 import threading
 import time
@@ -42,6 +54,12 @@ _DRAIN_CHUNK = 64 << 10
 _DRAIN_WAIT_S = 0.01  # a body we stopped reading is drained while more of it arrives within this
 _FLUSH_BYTES = 4 << 20  # an answer given in many pieces is sent once this much of it is waiting
 _NO_BODY_STATUS = (204, 304)
+MAX_REQUEST_LINE = 8190  # bytes, CRLF included (gunicorn's limit_request_line is 4094; Go's whole head 1 MiB)
+MAX_HEADER_FIELDS = 64
+MAX_HEADER_BYTES = 16 << 10  # every header line, the blank one included, not the request line
+PEER_SHARE = 4  # a peer address holds at most 1/PEER_SHARE of a server's connections
+_HTTP_VERSION = re.compile(r"HTTP/([0-9])\.([0-9])")
+_DIGITS = re.compile(r"[0-9]+")
 _MAX_IOV = 512  # buffers per sendmsg (the kernel takes at most IOV_MAX, 1024 on Linux)
 
 
@@ -83,16 +101,43 @@ class _BodyReader:
         return getattr(self._stream, name)
 
 
+class _HeaderBudget:
+    """The request's stream while http.server parses its header fields: it raises (and http.server answers 431)
+    once they pass MAX_HEADER_BYTES or MAX_HEADER_FIELDS, having read no more than that."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._left = MAX_HEADER_BYTES
+        self._fields = 0
+
+    def readline(self, size: int | None = -1) -> bytes:
+        want = self._left + 1 if size is None or size < 0 else min(size, self._left + 1)
+        line: bytes = self._stream.readline(want)
+        self._left -= len(line)
+        if self._left < 0:
+            raise http.client.LineTooLong(f"header fields longer than {MAX_HEADER_BYTES} bytes in all")
+        if line not in (b"\r\n", b"\n", b""):
+            self._fields += 1
+            if self._fields > MAX_HEADER_FIELDS:
+                raise http.client.HTTPException(f"more than {MAX_HEADER_FIELDS} header fields")
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _body_length(headers: Any) -> int | None:
     """The request body's declared length, 0 for none; None where the connection cannot be kept after it
-    (chunked, an invalid or conflicting length, or one longer than we would read)."""
+    (chunked, or longer than we would read).  ValueError for an invalid length (RFC 9112: answered 400)."""
+    lengths = headers.get_all("Content-Length") or []
+    if any(not _DIGITS.fullmatch(value.strip()) for value in lengths):  # (str.isdigit would take "²")
+        raise ValueError(f"invalid Content-Length {lengths[0]!r}")
+    if len({int(value) for value in lengths}) > 1:
+        raise ValueError(f"conflicting Content-Length values {lengths!r}")
     if headers.get("Transfer-Encoding") is not None:
         return None
-    lengths = headers.get_all("Content-Length") or []
     if not lengths:
         return 0
-    if len(set(lengths)) != 1 or not lengths[0].strip().isdigit():
-        return None
     length = int(lengths[0])
     return length if length <= MAX_DRAIN_BYTES else None
 
@@ -127,8 +172,54 @@ class PersistentHandler(WSGIRequestHandler):
     """
 
     protocol_version = "HTTP/1.1"
+    # http.server's errors before the request's version is read go out as this version's (with a status line),
+    # not as HTTP/0.9's bare body.
+    default_request_version = "HTTP/1.1"
     timeout = REQUEST_TIMEOUT_S  # per read and write; the whole request's bound is the Connections' deadline
     disable_nagle_algorithm = True  # an answer is one write: nothing to coalesce, and no wait for an ACK
+
+    def parse_request(self) -> bool:
+        """http.server's parse, within our bounds: 414, 400 or 505 for the request line, 431 for the fields.
+
+        After an error answer the rest of what the client sent is read and dropped (a bounded amount): closing
+        with it unread would reset the connection, and the client would lose the answer.
+        """
+        if self._parse_request():
+            return True
+        self._drain_after_error()
+        return False
+
+    def _drain_after_error(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(_DRAIN_WAIT_S)
+            left = MAX_DRAIN_BYTES
+            while left > 0 and (chunk := cast(io.BufferedReader, self.rfile).read1(min(left, _DRAIN_CHUNK))):
+                left -= len(chunk)
+
+    def _parse_request(self) -> bool:
+        self.command = None  # type: ignore[assignment]  # (send_error reads it; http.server sets it so too)
+        self.request_version = self.default_request_version
+        self.requestline = self.raw_requestline.decode("iso-8859-1").rstrip("\r\n")
+        if len(self.raw_requestline) > MAX_REQUEST_LINE:
+            self.send_error(414, f"request line longer than {MAX_REQUEST_LINE} bytes")
+            return False
+        words = self.requestline.split()
+        if len(words) != 3:  # (two words would be HTTP/0.9, which no scraper speaks)
+            self.send_error(400, "bad request line")
+            return False
+        version = _HTTP_VERSION.fullmatch(words[2])
+        if version is None:
+            self.send_error(400, "bad HTTP version")
+            return False
+        if version.group(1) != "1":
+            self.send_error(505)
+            return False
+        stream, self.rfile = self.rfile, _HeaderBudget(self.rfile)  # type: ignore[assignment]
+        try:
+            return bool(super().parse_request())
+        finally:
+            self.rfile = stream
 
     def handle(self) -> None:
         self.close_connection = True
@@ -160,7 +251,12 @@ class PersistentHandler(WSGIRequestHandler):
             self.close_connection = True  # cut at its deadline: what was read of it ended there, unanswerable
             return
         self._answered += 1
-        length = _body_length(self.headers)
+        try:
+            length = _body_length(self.headers)
+        except ValueError as exc:
+            self.close_connection = True  # (what follows has no known start: the connection ends here)
+            self.send_error(400, "bad Content-Length", str(exc))
+            return
         body = _BodyReader(self.rfile, MAX_DRAIN_BYTES if length is None else length)
         if length is None or self._answered >= MAX_REQUESTS or not connections.keep_alive:
             self.close_connection = True
@@ -207,8 +303,6 @@ class PersistentHandler(WSGIRequestHandler):
 
     def _send(self, answer: _Answer, head_only: bool, final: bool) -> None:
         buffers = [] if head_only or answer.code < 200 or answer.code in _NO_BODY_STATUS else answer.chunks
-        if not answer.sent_head and self.request_version == "HTTP/0.9":
-            answer.sent_head = True  # (HTTP/0.9: the body alone)
         if not answer.sent_head:
             if final and answer.length is None and not head_only and answer.code not in _NO_BODY_STATUS:
                 answer.headers.append(("Content-Length", str(answer.waiting)))
@@ -282,22 +376,45 @@ class Connections:
         self._lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}  # open connections -> when they are cut (monotonic s)
         self._idle: dict[socket.socket, None] = {}  # those waiting for their next request, oldest first
+        self._peer: dict[socket.socket, str] = {}  # open connections -> the peer's address
         self._jobs: queue.SimpleQueue[tuple[socket.socket, Any] | None] = queue.SimpleQueue()
         self._spare = 0  # pool threads waiting on _jobs
         self.workers: set[threading.Thread] = set()
         self.keep_alive = True  # False once the server stops or is abandoned: no connection waits for another request
 
-    def admit(self, sock: socket.socket) -> bool:
-        """Register a new connection, closing the longest idle one if the server is full; False: still full."""
+    def admit(self, sock: socket.socket, peer: str) -> bool:
+        """Register a new connection from ``peer`` (its address); False: it is to be refused (503).
+
+        A peer holds at most a PEER_SHARE-th of the connections: past its share, its own longest idle connection
+        is closed for the new one, and failing that the new one is refused.  A full server closes the longest
+        idle connection of the busiest peer (one that has an idle connection) for the new one, and failing that
+        refuses it.  So a peer that opens connections and keeps them busy (slow requests) takes at most its
+        share, and the others always find a slot.
+        """
         with self._lock:
-            if len(self._deadlines) >= self.limit and self._idle:
-                oldest = next(iter(self._idle))
-                self._cut(oldest)
-                del self._idle[oldest], self._deadlines[oldest]  # its thread sees EOF and closes it
-            if len(self._deadlines) >= self.limit:
+            share = max(1, self.limit // PEER_SHARE)
+            if sum(1 for p in self._peer.values() if p == peer) >= share and not self._evict_idle_of({peer}):
                 return False
+            if len(self._deadlines) >= self.limit:
+                counts: dict[str, int] = {}
+                for p in self._peer.values():
+                    counts[p] = counts.get(p, 0) + 1
+                idle_peers = {self._peer[s] for s in self._idle}
+                busiest = max(idle_peers, key=lambda p: counts.get(p, 0), default=None)
+                if busiest is None or not self._evict_idle_of({busiest}):
+                    return False
             self._deadlines[sock] = time.monotonic() + self.request_timeout_s
+            self._peer[sock] = peer
             return True
+
+    def _evict_idle_of(self, peers: set[str]) -> bool:
+        """(Under the lock) close the longest idle connection of one of ``peers``; whether there was one."""
+        oldest = next((s for s in self._idle if self._peer.get(s) in peers), None)
+        if oldest is None:
+            return False
+        self._cut(oldest)
+        del self._idle[oldest], self._deadlines[oldest], self._peer[oldest]  # its thread sees EOF and closes it
+        return True
 
     def dispatch(self, sock: socket.socket, address: Any) -> bool:
         """Serve an admitted connection on a spare thread, or a new one; False: no thread could be started."""
@@ -374,6 +491,7 @@ class Connections:
         with self._lock:
             self._deadlines.pop(sock, None)
             self._idle.pop(sock, None)
+            self._peer.pop(sock, None)
             close(sock)
 
     def cut_overdue(self) -> None:

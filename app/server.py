@@ -107,9 +107,10 @@ def holding_off_fork() -> threading.RLock:
 class BoundedServer(ThreadedWSGIServer):
     """werkzeug's threaded server with a bound on connections and on how long each may last.
 
-    Every connection costs the rank a thread and a descriptor, so at most MAX_CONNECTIONS are open at once; when
-    the server is full the connection idle the longest (waiting for a next request, app.http) is closed for a new
-    one, and failing that the new one is answered 503 and closed right away by the accepting thread.  A
+    Every connection costs a thread and a descriptor, so at most MAX_CONNECTIONS are open at once, and a peer
+    address at most a share of them; when the server is full the busiest peer's connection idle the longest
+    (waiting for a next request, app.http) is closed for a new one, and failing that the new one is answered 503
+    and closed right away by the accepting thread (app.http.Connections.admit).  A
     per-read timeout alone would let a client that sends a byte now and then hold its thread for ever, so each
     request also gets a deadline, REQUEST_TIMEOUT_S after its first byte (after the accept, for a connection's
     first), past which the serving loop shuts its socket down.  Connections are served by a pool of our threads
@@ -153,7 +154,7 @@ class BoundedServer(ThreadedWSGIServer):
         return socket_above_stdio(conn), address
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if self.connections.admit(request):
+        if self.connections.admit(request, str(client_address[0]) if client_address else ""):
             if self.connections.dispatch(request, client_address):
                 return
             _warner.warn(("thread", self.server_address),
