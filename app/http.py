@@ -57,7 +57,8 @@ _NO_BODY_STATUS = (204, 304)
 MAX_REQUEST_LINE = 8190  # bytes, CRLF included (gunicorn's limit_request_line is 4094; Go's whole head 1 MiB)
 MAX_HEADER_FIELDS = 64
 MAX_HEADER_BYTES = 16 << 10  # every header line, the blank one included, not the request line
-PEER_SHARE = 4  # a peer address holds at most 1/PEER_SHARE of a server's connections
+PEER_SHARE = 2  # a peer address holds at most 1/PEER_SHARE of a server's connections (a slowloris under the cap, from
+# the scraper's own address, still leaves it room)
 _HTTP_VERSION = re.compile(r"HTTP/([0-9])\.([0-9])")
 _DIGITS = re.compile(r"[0-9]+")
 _MAX_IOV = 512  # buffers per sendmsg (the kernel takes at most IOV_MAX, 1024 on Linux)

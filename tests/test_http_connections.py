@@ -198,6 +198,7 @@ def test_the_connection_bound_counts_persistent_connections(served: Served,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     connections = served.server.connections
     monkeypatch.setattr(connections, "limit", 3)
+    monkeypatch.setattr(app.http, "PEER_SHARE", 1)  # (one peer here: the bound in all, not a peer's share of it)
     # Three connections mid-request fill the server: a fourth is answered 503.
     busy = [served.connect() for _ in range(3)]
     for sock in busy:
@@ -248,16 +249,16 @@ def test_each_answer_is_one_write(served: Served, monkeypatch: pytest.MonkeyPatc
     client.close()
 
 
-def test_retiring_closes_idle_connections_and_ends_every_pool_thread(served: Served) -> None:
+def test_abandoning_closes_idle_connections_and_ends_every_pool_thread(served: Served) -> None:
     clients = [served.client() for _ in range(3)]
     for client in clients:
         assert get(client).status == 200
-    served.server.retire()
+    served.server.abandon()  # (an address server giving the address up)
     for client in clients:
         client.sock.settimeout(DEADLINE_S)
         assert read_to_eof(client.sock) == b""
         client.close()
-    wait_until(lambda: not served.server.busy(), message="the retired server's threads ended")
+    wait_until(lambda: not served.server.busy(), message="the abandoned server's threads ended")
 
 
 @pytest.mark.parametrize("ends_by", ["stop", "idle"])
