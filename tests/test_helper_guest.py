@@ -1,9 +1,9 @@
-"""The serving helper is a good guest: as harmless to its host as a thread, whatever the host does (issue 24).
+"""The address server is a good guest: as harmless to the rank that starts it as a thread, whatever the host does.
 
-Real rank processes, real signals, real uids: a host that waits for all its children or execs itself, a
-stopped helper (with and without its rank), a rank that drops root, descriptors 0-2 closed, a helper that
-fails before it is ready, isolated interpreters, zipapps and site-packages installs, the host's own logging
-and a stderr nobody reads, RLIMIT_NPROC, a blocked SIGTERM, forks racing restarts, and what ps shows.
+Real rank processes, real signals, a real uid: a host that waits for all its children or execs itself, a rank
+killed as it starts its server, descriptors 0-2 closed, the rank's interpreter flags and installs (isolated
+interpreters, zipapps, site-packages, debug builds), the host's own logging and a stderr nobody reads,
+RLIMIT_NPROC, a blocked SIGTERM, forks racing server starts, and what ps shows.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from support import (  # noqa: F401  (pytest fixtures)
     PROJECT_ROOT,
     START_DEADLINE_S,
     Reaper,
-    can_bind,
     child_env,
     directory_for,
     exporter_env,
@@ -37,16 +36,18 @@ from support import (  # noqa: F401  (pytest fixtures)
     healthz,
     http_get,
     metrics_url,
+    parse_exposition,
+    pids_in,
     reaper_fixture,
     scrape,
     start_exporter_rank,
     start_rank,
-    try_scrape,
     wait_until,
 )
 
-from app.probe import credentials, helper_of, process_state
+from app.probe import is_address_server
 
+HELPER = {"NIXL_PROMETHEUS_MP_SERVE": "helper"}
 UNPRIVILEGED = 54321  # a uid (and gid) no other process of the machine uses
 
 
@@ -58,8 +59,7 @@ def unprivileged_dir() -> Iterator[Path]:
 
 
 # An interpreter every uid can run (the test's may live under root's 0700 home), with this package and the
-# test environment's site-packages on its path: what a rank that drops root, or runs as a uid of its own, needs
-# to start a helper as that uid.
+# test environment's site-packages on its path: what a rank running as a uid of its own needs.
 SYSTEM_PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
 
 
@@ -72,13 +72,13 @@ def system_python_env(environ: dict[str, str]) -> dict[str, str]:
 
 
 class OtherRank:
-    """A rank run by SYSTEM_PYTHON (as ``user``, if given), speaking lines; stderr to a file."""
+    """A rank run by SYSTEM_PYTHON as ``user``, speaking lines; stderr to a file."""
 
-    def __init__(self, script: str, env: dict[str, str], stderr: Path, user: int | None = None) -> None:
-        ids: dict[str, Any] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+    def __init__(self, script: str, env: dict[str, str], stderr: Path, user: int) -> None:
         with open(stderr, "wb") as err:
             self.proc = subprocess.Popen([SYSTEM_PYTHON, "-c", script], cwd="/", env=env, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, text=True, **ids)
+                                         stdout=subprocess.PIPE, stderr=err, text=True, user=user, group=user,
+                                         extra_groups=[])
         self._stderr = stderr
 
     def send(self, line: str) -> None:
@@ -100,185 +100,134 @@ class OtherRank:
         self.proc.wait(DEADLINE_S)
 
 
-def owner(port: int, timeout: float = 2.0) -> dict[str, Any]:
+def owner(port: int, timeout: float = 5.0) -> dict[str, Any]:
     return healthz(port, timeout=timeout)["owner"]
 
 
-def served_by_helper_of(port: int, rank_pid: int, not_in: tuple[int, ...] = (),
+def served_by_server_of(port: int, rank_pid: int, not_in: tuple[int, ...] = (),
                         timeout: float = START_DEADLINE_S) -> int:
-    """Wait (bounded) until a serving helper of ``rank_pid`` (none of ``not_in``) answers; its pid."""
-    def helper() -> int | None:
+    """Wait (bounded) until an address server started by ``rank_pid`` (none of ``not_in``) answers; its pid."""
+    def server() -> int | None:
         doc = owner(port)
-        ok = doc["serving"] == "helper" and doc["pid"] == rank_pid and doc["server_pid"] not in not_in
+        ok = doc["serving"] == "helper" and doc["started_by"] == rank_pid and doc["server_pid"] not in not_in
         return int(doc["server_pid"]) if ok else None
-    return wait_until(helper, timeout, message=f"a serving helper of {rank_pid} answering on port {port}")
+    return wait_until(server, timeout, message=f"an address server started by {rank_pid} answering on port {port}")
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (R, S, T, Z, ...), or None once it is gone (reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return None
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except OSError:
+        return None
 
 
 def gone(pid: int) -> bool:
     return process_state(pid) in (None, "Z", "X")
 
 
-def children_of(pid: int, zombies: bool = True) -> list[int]:
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and (zombies or fields[0] != "Z"):
-            found.append(int(entry))
-    return found
+def children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes, zombies included."""
+    return [int(entry) for entry in filter(str.isdigit, os.listdir("/proc")) if parent_of(int(entry)) == pid]
 
 
-def helper_processes_of(rank_pid: int) -> list[int]:
-    """Live processes whose command line says they serve for ``rank_pid`` (a launcher, a helper)."""
+def server_processes(port: int) -> list[int]:
+    """Live processes whose command line says they serve 127.0.0.1:``port`` (a launcher, a server)."""
     return sorted(int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                  if helper_of(int(p)) == rank_pid and not gone(int(p)))
+                  if is_address_server(int(p)) and _address_of(int(p)) == f"127.0.0.1:{port}" and not gone(int(p)))
 
 
-def scrape_until_gone(port: int, helper: int) -> None:
-    """A helper that left the address (its rank closed, died or exec'd): one scrape, then it goes."""
-    scrape(port)
-    wait_until(lambda: gone(helper), 3.0, message=f"helper {helper} gone once the last values were served")
+def _address_of(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()
+    except (OSError, IndexError):
+        return None
 
 
 RANK = textwrap.dedent("""
-    import json, logging, os, signal, sys
+    import json, logging, os, sys
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     from app import Exporter
     exp = Exporter("guest")
+    exp.export_event(0, 7)
     def reply(**doc):
         print(json.dumps({"pid": os.getpid(), **doc}), flush=True)
     reply(serving=exp.serving)
     for line in sys.stdin:
         op = line.strip()
         if op == "wait-all":  # a simple launcher's loop: wait for every child until there is none
-            import time
-            started, reaped = time.monotonic(), []
+            reaped = []
             while True:
                 try:
                     reaped.append(os.wait()[0])
                 except ChildProcessError:
                     break
-            reply(waited=time.monotonic() - started, reaped=reaped)
-        elif op == "exec":  # the owner execs another program (its Exporter's descriptors close on exec)
+            reply(reaped=reaped)
+        elif op == "exec":  # the rank execs another program (its Exporter's descriptors close on exec)
             os.execv(sys.executable, [sys.executable, "-c", "import sys; print('execd', flush=True); sys.stdin.read()"])
-        elif op == "drop":  # a root rank that drops its privileges for good
-            os.setgroups([])
-            os.setresgid(UID, UID, UID)
-            os.setresuid(UID, UID, UID)
-            reply(dropped=os.getresuid())
-        elif op == "close":
-            import time
-            started = time.monotonic()
-            exp.close()
-            reply(closed=time.monotonic() - started)
-""").replace("UID", str(UNPRIVILEGED))
+""")
 
 
 def guest_rank(reaper: Reaper, tmp_dir: Path, port: int, **extra: str):  # type: ignore[no-untyped-def]
-    process = start_rank(reaper, RANK, exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper", **extra))
+    process = start_rank(reaper, RANK, exporter_env(tmp_dir, port, **HELPER, **extra))
     pid = json.loads(process.readline(START_DEADLINE_S))["pid"]
     return process, pid
 
 
-# -- 1. nobody's child: a host's wait loop, an exec ------------------------------------------------------------
+# -- 1. nobody's child: a host's wait loop, an exec; a rank killed as it starts its server -----------------------
 
 
-def test_a_host_waiting_for_all_its_children_never_waits_for_its_helper(tmp_dir: Path, reaper: Reaper) -> None:
+def test_a_host_waiting_for_all_its_children_never_waits_for_its_server(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
     process, pid = guest_rank(reaper, tmp_dir, port)
-    helper = served_by_helper_of(port, pid)
+    server = served_by_server_of(port, pid)
     process.send("wait-all")
+    # It returns (the server, which serves on, would never exit): at most the launcher was reaped.
     answer = json.loads(process.readline(DEADLINE_S))
-    assert answer["waited"] < 2.0 and helper not in answer["reaped"], answer
-    assert owner(port)["server_pid"] == helper and not gone(helper)  # it serves on, nobody's child
+    assert server not in answer["reaped"], answer
+    assert owner(port)["server_pid"] == server and not gone(server)
+    assert pid in pids_in(parse_exposition(scrape(port)))
 
 
-def test_an_owner_that_execs_leaves_no_zombie(tmp_dir: Path, reaper: Reaper) -> None:
+def test_a_rank_that_execs_leaves_no_zombie(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
     process, pid = guest_rank(reaper, tmp_dir, port)
-    helper = served_by_helper_of(port, pid)
-    wait_until(lambda: children_of(pid) == [], 2.0, message="the helper's launcher reaped")  # (it exits at ready)
+    server = served_by_server_of(port, pid)
+    wait_until(lambda: children_of(pid) == [], message="the server's launcher reaped")  # (it exits at once)
     process.send("exec")
     assert process.readline(DEADLINE_S) == "execd"
-    # The channel's end closed with the exec: the helper serves the departed store once, then goes.
-    wait_until(lambda: (owner(port).get("lingering") or {}).get("departed") == 1, DEADLINE_S, message="lingering")
-    scrape_until_gone(port, helper)
-    assert children_of(pid) == []  # the exec'd program has no zombie of ours
-    wait_until(lambda: can_bind(port), 2.0, message="the port free")
+    # The channel closed with the exec (the server logs to its file now), and so did the store's lock: the server
+    # serves the departed store, and the exec'd program has no child of ours, zombie or not.
+    wait_until(lambda: owner(port)["log_file"], message="the server seeing its rank gone")
+    assert owner(port)["server_pid"] == server
+    assert pid in pids_in(parse_exposition(scrape(port)))
+    assert children_of(pid) == []
 
 
-# -- 2. a stopped helper ---------------------------------------------------------------------------------------
-
-
-def test_a_stopped_helper_is_replaced(tmp_dir: Path, reaper: Reaper) -> None:
+def test_a_rank_killed_as_it_starts_its_server_has_handed_the_address_over(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
-    process, pid = guest_rank(reaper, tmp_dir, port)
-    helper = served_by_helper_of(port, pid)
-    os.kill(helper, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        wait_until(lambda: gone(helper), 6.0, message="the stopped helper killed")
-        assert time.monotonic() - started < 4.5  # a ping every 0.5 s, replaced 2 s after one went unanswered
-        served_by_helper_of(port, pid, not_in=(helper,))
-    finally:
-        os.kill(helper, signal.SIGCONT) if not gone(helper) else None
-    assert "has not answered for 2 s" in process.stderr_text()
+    process = start_rank(reaper, RANK, exporter_env(tmp_dir, port, **HELPER))
+    # SIGKILLed the moment its launcher exists: the lock and the listener were queued on the channel before.
+    starting = wait_until(lambda: server_processes(port), START_DEADLINE_S, interval=0.001,
+                          message="a server starting")
+    process.kill()
+    server = served_by_server_of(port, process.pid)
+    assert process.pid in pids_in(parse_exposition(scrape(port)))  # the dead rank's store, departed
+    wait_until(lambda: owner(port)["log_file"], message="the server logging to its file")
+    # (A launcher orphaned by the kill was adopted by this test's process, a subreaper: reaped here.)
+    for pid in starting:
+        if pid != server and parent_of(pid) == os.getpid():
+            wait_until(lambda p=pid: os.waitpid(p, os.WNOHANG)[0] == p, message="the orphaned launcher reaped")
 
 
-def test_a_stopped_helper_of_a_killed_rank_gives_way_to_a_standby(tmp_dir: Path, reaper: Reaper) -> None:
-    port = free_port()
-    first = start_exporter_rank(reaper, tmp_dir, port, agent="owner", extra_env={"NIXL_PROMETHEUS_MP_SERVE": "helper"})
-    helper = served_by_helper_of(port, first.pid)
-    standby = start_exporter_rank(reaper, tmp_dir, port, agent="standby",
-                                  extra_env={"NIXL_PROMETHEUS_MP_SERVE": "helper"})
-    os.kill(helper, signal.SIGSTOP)
-    try:
-        first.kill()  # at once: its supervisor never got to replace the stopped helper
-        started = time.monotonic()
-        wait_until(lambda: owner(port, timeout=1.0)["pid"] == standby.pid, 5.0, message="the standby serving")
-        assert time.monotonic() - started < 3.0
-        wait_until(lambda: gone(helper), 2.0, message="the stopped orphan killed")
-    finally:
-        if not gone(helper):
-            os.kill(helper, signal.SIGCONT)
-    assert "held" in standby.stderr() and str(helper) in standby.stderr()
-
-
-# -- 3. a rank that drops root ---------------------------------------------------------------------------------
-
-
-def test_a_rank_that_drops_root_gets_a_helper_without_it(unprivileged_dir: Path, tmp_path: Path) -> None:
-    directory = unprivileged_dir
-    port = free_port()
-    process = OtherRank(RANK, system_python_env(exporter_env(directory, port, NIXL_PROMETHEUS_MP_SERVE="helper")),
-                        tmp_path / "stderr")
-    try:
-        _root_rank_drops_it(process, port)
-    finally:
-        process.kill()
-
-
-def _root_rank_drops_it(process: OtherRank, port: int) -> None:
-    pid = process.readline()["pid"]
-    root_helper = served_by_helper_of(port, pid)
-    assert (credentials(root_helper) or {})["Uid"].split()[0] == "0"
-    process.send("drop")
-    assert process.readline()["dropped"] == [UNPRIVILEGED] * 3
-    new = served_by_helper_of(port, pid, not_in=(root_helper,), timeout=DEADLINE_S)
-    assert (credentials(new) or {})["Uid"] == f"{UNPRIVILEGED} " * 3 + str(UNPRIVILEGED)
-    assert int((credentials(new) or {})["CapEff"], 16) == 0
-    wait_until(lambda: gone(root_helper), 3.0, message="the root helper gone")
-    stderr = process.stderr_text()
-    assert "privileges this process no longer has" in stderr
-    assert "cannot SIGKILL" in stderr and "Operation not permitted" in stderr  # said, not swallowed
-    process.send("close")
-    assert process.readline()["closed"] < 1.5
-    assert [c for c in children_of(pid) if process_state(c) == "Z"] == []
-
-
-# -- 4. descriptors 0-2 closed in the rank ---------------------------------------------------------------------
+# -- 2. descriptors 0-2 closed in the rank -----------------------------------------------------------------------
 
 CLOSED_STDIO = textwrap.dedent("""
     import json, logging, os, sys
@@ -314,17 +263,15 @@ def test_no_descriptor_of_ours_lands_on_0_1_or_2(tmp_dir: Path, reaper: Reaper, 
         assert sorted(int(fd) for fd in found) == left_open, found
         return left_open
 
-    # (Checked between starts: while Popen starts a helper's launcher, /dev/null holds the free ones of 0-2 for
-    # that moment, so that its pipes land above them: store.fds.stdio_occupied.)
     if serve_mode == "helper":
-        helper = served_by_helper_of(port, pid)
+        server = served_by_server_of(port, pid)
         assert low_fds() == left_open
-        os.kill(helper, signal.SIGKILL)  # a restart, from the thread and back
-        served_by_helper_of(port, pid, not_in=(helper,))
+        os.kill(server, signal.SIGKILL)  # a new start, by the rank's standby: a pidfd, a channel, Popen's pipes
+        served_by_server_of(port, pid, not_in=(server,))
     else:
         wait_until(lambda: owner(port)["serving"] == "thread", message="served")
     assert low_fds() == left_open
-    for n in range(20):  # warned about (and reaped) on the next scrape: the rank logs
+    for n in range(20):  # warned about (and reaped) on the next scrape: the rank logs (the server's records too)
         (tmp_dir / f"nixl.{n + 1}.9.0.mmap").write_bytes(b"not a store")
     assert scrape(port) and scrape(port)
     assert low_fds() == left_open
@@ -333,44 +280,7 @@ def test_no_descriptor_of_ours_lands_on_0_1_or_2(tmp_dir: Path, reaper: Reaper, 
     assert [p.stat().st_size for p in tmp_dir.glob("nixl.*.mmap")] == [6800]
 
 
-# -- 4 (issue 23). a rank killed while its helper starts -------------------------------------------------------
-
-
-def test_a_rank_killed_while_its_helper_starts_costs_its_standby_nothing(tmp_dir: Path, reaper: Reaper) -> None:
-    port = free_port()
-    env = {"NIXL_PROMETHEUS_MP_SERVE": "helper"}
-    first = start_exporter_rank(reaper, tmp_dir, port, agent="owner", extra_env=env)
-    helper = served_by_helper_of(port, first.pid)
-    standby = start_exporter_rank(reaper, tmp_dir, port, agent="standby", extra_env=env)
-    os.kill(helper, signal.SIGKILL)
-    starting = wait_until(lambda: [p for p in helper_processes_of(first.pid) if p != helper], DEADLINE_S,
-                          interval=0.002, message="a new helper starting")
-    first.kill()
-    killed = time.monotonic()
-    wait_until(lambda: owner(port, timeout=1.0)["pid"] == standby.pid, 5.0, interval=0.005,
-               message="the standby serving")
-    assert time.monotonic() - killed < 1.0, "the half-started helper held the address"
-    for pid in starting:
-        wait_until(lambda p=pid: gone(p), 3.0, message="the half-started helper gone")
-
-
-# -- 5. a helper that fails before it is ready -----------------------------------------------------------------
-
-
-def test_a_helper_that_fails_before_it_is_ready_is_reaped_and_its_status_named(tmp_dir: Path,
-                                                                               reaper: Reaper) -> None:
-    port = free_port()
-    process, pid = guest_rank(reaper, tmp_dir, port)
-    starting = wait_until(lambda: helper_processes_of(pid), DEADLINE_S, interval=0.001, message="a helper starting")
-    os.kill(starting[0], signal.SIGTERM)
-    wait_until(lambda: "before it was ready" in process.stderr_text(), DEADLINE_S, message="the warning")
-    assert "was killed by SIGTERM" in process.stderr_text(), process.stderr_text()
-    assert owner(port)["serving"] == "thread"
-    wait_until(lambda: children_of(pid) == [], 3.0, message="no child left, not even a zombie")
-    wait_until(lambda: helper_processes_of(pid) == [], 3.0, message="nothing of the helper left")
-
-
-# -- 6. the rank's interpreter, flags and sys.path -------------------------------------------------------------
+# -- 3. the rank's interpreter, flags and sys.path -------------------------------------------------------------
 
 FLAGGED_RANK = textwrap.dedent("""
     import json, os, sys
@@ -396,19 +306,20 @@ def _shadowing_werkzeug(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("flags", [["-I"], ["-E", "-s"], ["-E", "-O"]])
-def test_the_helper_runs_with_the_ranks_flags_and_ignores_what_the_rank_ignores(
+def test_the_server_runs_with_the_ranks_flags_and_ignores_what_the_rank_ignores(
         tmp_dir: Path, tmp_path: Path, reaper: Reaper, flags: list[str]) -> None:
     port = free_port()
-    env = child_env(exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper"))
+    env = child_env(exporter_env(tmp_dir, port, **HELPER))
     env["PYTHONPATH"] = str(_shadowing_werkzeug(tmp_path))
     env["RANK_ROOT"] = str(PROJECT_ROOT)
     process = subprocess.Popen([sys.executable, *flags, "-c", FLAGGED_RANK], env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         pid = json.loads(process.stdout.readline())["pid"]  # type: ignore[union-attr]
-        helper = served_by_helper_of(port, pid)
-        argv = Path(f"/proc/{helper}/cmdline").read_bytes().decode().split("\0")
+        server = served_by_server_of(port, pid)
+        argv = Path(f"/proc/{server}/cmdline").read_bytes().decode().split("\0")
         assert all(flag in argv[1:argv.index("-c")] for flag in flags), argv
+        assert pid in pids_in(parse_exposition(scrape(port)))  # werkzeug is the real one there too
     finally:
         process.kill()
         process.communicate(timeout=DEADLINE_S)
@@ -420,11 +331,11 @@ def _package_copy(into: Path) -> None:
 
 
 @pytest.mark.parametrize("install", ["zipapp", "site-packages", "debug-interpreter"])
-def test_the_helper_starts_from_any_install(tmp_dir: Path, tmp_path: Path, reaper: Reaper, install: str) -> None:
+def test_the_server_starts_from_any_install(tmp_dir: Path, tmp_path: Path, reaper: Reaper, install: str) -> None:
     """A zipapp host; a package installed after the standard library (a module there named like a standard one
-    must not shadow it in the helper); an interpreter named like a debug build."""
+    must not shadow it in the server); an interpreter named like a debug build."""
     port = free_port()
-    env = child_env(exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper"))
+    env = child_env(exporter_env(tmp_dir, port, **HELPER))
     env.pop("PYTHONPATH")
     command = [sys.executable, "-E", "-c", FLAGGED_RANK]
     where = tmp_path
@@ -454,15 +365,16 @@ def test_the_helper_starts_from_any_install(tmp_dir: Path, tmp_path: Path, reape
         assert line, process.communicate(timeout=DEADLINE_S)[1]
         started = json.loads(line)
         assert started["app"].startswith(str(where)), started  # the rank's own copy of this package
-        helper = served_by_helper_of(port, started["pid"])
+        server = served_by_server_of(port, started["pid"])
+        assert started["pid"] in pids_in(parse_exposition(scrape(port)))
         if install == "debug-interpreter":
-            assert Path(f"/proc/{helper}/cmdline").read_bytes().split(b"\0")[0] == str(env["RANK_EXECUTABLE"]).encode()
+            assert Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")[0] == str(env["RANK_EXECUTABLE"]).encode()
     finally:
         process.kill()
         process.communicate(timeout=DEADLINE_S)
 
 
-# -- 7. logs through the host's logging, never blocking serving ------------------------------------------------
+# -- 4. logs through the host's logging, never blocking serving ------------------------------------------------
 
 HOST_LOGGING = textwrap.dedent("""
     import json, logging, os, sys
@@ -486,7 +398,7 @@ def _plant_invalid_stores(directory: Path, count: int) -> None:
 
 def _settled(port: int, pid: int, serve_mode: str) -> None:
     if serve_mode == "helper":
-        served_by_helper_of(port, pid)
+        served_by_server_of(port, pid)
     else:
         wait_until(lambda: owner(port)["serving"] == "thread", message="served")
 
@@ -505,8 +417,8 @@ def test_the_endpoints_logs_go_through_the_hosts_logging(tmp_dir: Path, tmp_path
         "nixl.1.9.0.mmap") >= 1, DEADLINE_S, message="the warnings in the host's own log")
     logged = host_log.read_text()
     assert "HOST WARNING nixl_prometheus_mp.collector:" in logged, logged
-    if serve_mode == "helper":
-        assert "serving helper (pid" in logged, logged
+    if serve_mode == "helper":  # the server's records, through the rank that started it
+        assert f"address server (pid {owner(port)['server_pid']})" in logged, logged
     assert "nixl.1.9.0.mmap" not in process.stderr_text()  # nothing of ours on the stderr the host routed away
 
 
@@ -540,7 +452,7 @@ def test_a_stderr_nobody_reads_never_blocks_a_scrape(tmp_dir: Path, serve_mode: 
             started = time.monotonic()
             assert http_get(metrics_url(port), timeout=5.0).status == 200
             assert time.monotonic() - started < 5.0
-        assert owner(port, timeout=5.0)["pid"] == pid
+        assert owner(port, timeout=5.0)["started_by"] == pid
     finally:
         process.kill()
         process.wait(DEADLINE_S)
@@ -548,45 +460,69 @@ def test_a_stderr_nobody_reads_never_blocks_a_scrape(tmp_dir: Path, serve_mode: 
         os.close(write_end)
 
 
-# -- 8. a transient spawn failure is retried -------------------------------------------------------------------
+# -- 5. a start that fails for want of processes is retried --------------------------------------------------
 
 NPROC_RANK = textwrap.dedent("""
-    import json, os, resource, sys
-    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
-    mine = len(os.listdir("/proc/self/task"))
-    # Room for this process's serving and supervising threads, not for the helper's launcher: fork is EAGAIN.
-    resource.setrlimit(resource.RLIMIT_NPROC, (mine + 2, hard))
+    import json, logging, os, resource, sys, threading, time
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    import app.rank.endpoint as endpoint
     from app import Exporter
+    launches, launch = [0], endpoint.launch
+    def counted(*args, **kwargs):  # (only counted: the starts tried, whether the fork fails or not)
+        launches[0] += 1
+        return launch(*args, **kwargs)
+    endpoint.launch = counted
+    exporters = []
+    def record():  # a rank records as it runs: its export path retries what failed
+        while True:
+            for exp in exporters:
+                exp.export_event(3, 1)
+            time.sleep(0.05)
+    threading.Thread(target=record, daemon=True).start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    # Not one process or thread more for this uid (this process is its only one): the launcher's fork is EAGAIN.
+    resource.setrlimit(resource.RLIMIT_NPROC, (len(os.listdir("/proc/self/task")), hard))
     exp = Exporter("nproc")
-    print(json.dumps({"pid": os.getpid(), "serving": exp.serving}), flush=True)
-    sys.stdin.readline()
-    resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
-    print(json.dumps({"lifted": True}), flush=True)
-    sys.stdin.read()
+    exporters.append(exp)
+    def reply():
+        print(json.dumps({"pid": os.getpid(), "serving": exp.serving, "launches": launches[0]}), flush=True)
+    reply()
+    for line in sys.stdin:
+        if line.strip() == "lift":
+            resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard))
+        reply()
 """)
 
 
-def test_a_helper_that_cannot_start_for_want_of_processes_is_tried_again(unprivileged_dir: Path,
+def test_a_server_that_cannot_start_for_want_of_processes_is_tried_again(unprivileged_dir: Path,
                                                                         tmp_path: Path) -> None:
     port = free_port()
-    process = OtherRank(NPROC_RANK, system_python_env(exporter_env(unprivileged_dir, port,
-                                                                   NIXL_PROMETHEUS_MP_SERVE="helper")),
+    process = OtherRank(NPROC_RANK, system_python_env(exporter_env(unprivileged_dir, port, **HELPER)),
                         tmp_path / "stderr", user=UNPRIVILEGED)
     try:
         started = process.readline()
-        assert started["serving"]
-        wait_until(lambda: "could not start" in process.stderr_text(), DEADLINE_S, message="the start failing")
-        assert "Resource temporarily unavailable" in process.stderr_text(), process.stderr_text()
-        time.sleep(1.0)  # failing again and again meanwhile, said once
-        assert process.stderr_text().count("could not start") == 1, process.stderr_text()
+        assert started["launches"] == 1 and not started["serving"], started
+        pid = started["pid"]
+
+        def tried(times: int) -> bool:
+            process.send("status")
+            return process.readline()["launches"] >= times
+
+        # Tried again as it records, after a pause that doubles with each failure (up to 5 s).
+        wait_until(lambda: tried(4), 5.0 + DEADLINE_S, interval=0.2, message="the start tried again and again")
+        stderr = process.stderr_text()
+        said = [line for line in stderr.splitlines() if "Resource temporarily unavailable" in line]
+        assert said and len(said) == len(set(said)), stderr  # said, and each thing once however often it failed
+        assert any(line.startswith("WARNING") and "the address server" in line for line in said), stderr
         process.send("lift")
-        assert process.readline()["lifted"]
-        served_by_helper_of(port, started["pid"], timeout=DEADLINE_S)  # within the back-off (5 s at most)
+        process.readline()
+        served_by_server_of(port, pid, timeout=5.0 + START_DEADLINE_S)  # the next retry, 5 s at most
+        assert process.stderr_text().count("Resource temporarily unavailable") == len(said), process.stderr_text()
     finally:
         process.kill()
 
 
-# -- 9. a clean signal mask -----------------------------------------------------------------------------------
+# -- 6. a clean signal mask -----------------------------------------------------------------------------------
 
 BLOCKING_RANK = textwrap.dedent("""
     import json, os, signal, sys
@@ -598,19 +534,19 @@ BLOCKING_RANK = textwrap.dedent("""
 """)
 
 
-def test_a_host_that_blocks_sigterm_leaves_its_helper_a_clean_mask(tmp_dir: Path, reaper: Reaper) -> None:
+def test_a_host_that_blocks_sigterm_leaves_its_server_a_clean_mask(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
-    process = start_rank(reaper, BLOCKING_RANK, exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper"))
+    process = start_rank(reaper, BLOCKING_RANK, exporter_env(tmp_dir, port, **HELPER))
     pid = json.loads(process.readline(START_DEADLINE_S))["pid"]
-    helper = served_by_helper_of(port, pid)
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{helper}/status").read_text().splitlines())
+    server = served_by_server_of(port, pid)
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{server}/status").read_text().splitlines())
     assert int(status["SigBlk"], 16) == 0 and int(status["SigIgn"], 16) & (1 << (signal.SIGTERM - 1)) == 0
-    os.kill(helper, signal.SIGTERM)
-    wait_until(lambda: gone(helper), 3.0, message="the helper gone on SIGTERM")
-    served_by_helper_of(port, pid, not_in=(helper,))
+    os.kill(server, signal.SIGTERM)
+    wait_until(lambda: gone(server), message="the server gone on SIGTERM")
+    served_by_server_of(port, pid, not_in=(server,))  # the rank's standby started another
 
 
-# -- 10. a fork racing restarts ------------------------------------------------------------------------------
+# -- 7. a fork racing server starts --------------------------------------------------------------------------
 
 FORKING_RANK = textwrap.dedent("""
     import json, os, sys, threading
@@ -620,17 +556,22 @@ FORKING_RANK = textwrap.dedent("""
     stop = threading.Event()
     leaks, forks = [], [0]
 
-    def leaked() -> int:  # in the child: a pidfd or a unix socket (the helper's channel) is a leak
-        unix = {line.split()[-2] if len(line.split()) > 7 else "" for line in open("/proc/self/net/unix")}
-        found = 0
+    def held():  # the unix sockets (the server's channel) and pidfds (the server's, its launcher's) held here
+        unix = {line.split()[6] for line in list(open("/proc/self/net/unix"))[1:]}  # (the inode: 7th field)
+        found = {"sockets": 0, "pidfds": 0}
         for fd in os.listdir("/proc/self/fd"):
             try:
                 target = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:
                 continue
-            if target == "anon_inode:[pidfd]" or (target.startswith("socket:[") and target[8:-1] in unix):
-                found += 1
+            if target == "anon_inode:[pidfd]":
+                found["pidfds"] += 1
+            elif target.startswith("socket:[") and target[8:-1] in unix:
+                found["sockets"] += 1
         return found
+
+    def leaked():  # in a child, any of them is a leak
+        return sum(held().values())
 
     def fork_loop():
         while not stop.is_set():
@@ -644,7 +585,10 @@ FORKING_RANK = textwrap.dedent("""
 
     thread = threading.Thread(target=fork_loop)
     thread.start()
-    sys.stdin.readline()
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            break
+        print(json.dumps({"forks": forks[0], **held()}), flush=True)
     stop.set()
     thread.join()
     print(json.dumps({"forks": forks[0], "leaks": leaks}), flush=True)
@@ -652,30 +596,46 @@ FORKING_RANK = textwrap.dedent("""
 """)
 
 
-def test_a_fork_racing_helper_restarts_never_inherits_their_descriptors(tmp_dir: Path, reaper: Reaper) -> None:
+def test_a_fork_racing_server_starts_never_inherits_their_descriptors(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
-    process = start_rank(reaper, FORKING_RANK, exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper"))
+    process = start_rank(reaper, FORKING_RANK, exporter_env(tmp_dir, port, **HELPER))
     pid = json.loads(process.readline(START_DEADLINE_S))["pid"]
     killed: tuple[int, ...] = ()
-    for _ in range(6):
-        helper = served_by_helper_of(port, pid, not_in=killed)
-        os.kill(helper, signal.SIGKILL)
-        killed += (helper,)
-    served_by_helper_of(port, pid, not_in=killed)
+
+    def status() -> dict[str, int]:
+        process.send("held")
+        return dict(json.loads(process.readline()))
+
+    # Each killed server is replaced by the rank's standby: at least six starts, and as many more as it takes for
+    # hundreds of forks to race them (fewer per start on a loaded machine).
+    for _ in range(100):
+        server = served_by_server_of(port, pid, not_in=killed)
+        if len(killed) >= 6 and status()["forks"] >= 200:
+            break
+        os.kill(server, signal.SIGKILL)
+        killed += (server,)
+
+    def holding() -> bool:  # the rank holds the channel and the server's pidfd (once it said it is ready): a child not
+        found = status()
+        return found["sockets"] >= 1 and found["pidfds"] >= 1
+
+    wait_until(holding, message="the rank holding what its children must not")
     process.send("stop")
     report = json.loads(process.readline(DEADLINE_S))
-    assert report["forks"] > 100 and report["leaks"] == [], report
+    assert report["forks"] >= 200 and report["leaks"] == [], (len(killed), report)
 
 
-# -- 11. ps --------------------------------------------------------------------------------------------------
+# -- 8. ps ---------------------------------------------------------------------------------------------------
 
 
-def test_ps_shows_no_more_of_the_helper_than_whom_it_serves(tmp_dir: Path, reaper: Reaper) -> None:
+def test_ps_shows_no_more_of_the_server_than_its_address(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
     secret = "agent-with-a-secret-name"
-    rank = start_exporter_rank(reaper, tmp_dir, port, agent=secret, extra_env={"NIXL_PROMETHEUS_MP_SERVE": "helper"})
-    helper = served_by_helper_of(port, rank.pid)
-    shown = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(helper)], capture_output=True, text=True).stdout
-    assert shown.rstrip().endswith(f"serving-helper --for-pid {rank.pid}"), shown
-    for hidden in (secret, str(tmp_dir), str(port), "{"):
+    rank = start_exporter_rank(reaper, tmp_dir, port, agent=secret, extra_env=HELPER)
+    server = served_by_server_of(port, rank.pid)
+    shown = subprocess.run(["ps", "-ww", "-o", "args=", "-p", str(server)], capture_output=True, text=True).stdout
+    assert shown.rstrip().endswith(f"serving-helper 127.0.0.1:{port}"), shown
+    for hidden in (secret, str(tmp_dir), "{"):
         assert hidden not in shown, shown
+    named = subprocess.run(["ps", "-o", "comm=", "-p", str(server)], capture_output=True, text=True).stdout
+    assert named.strip() == "nixl-server", named

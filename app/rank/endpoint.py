@@ -100,7 +100,7 @@ class ScrapeEndpoint:
         self._log = ClaimLog(election, port)
         self._carrier: Carrier | None = None  # the server this rank started, while both live
         self._failures = 0  # starts in a row whose server died before it was ready
-        self._retry_at = 0.0  # (monotonic) no start before this
+        self._retry_at_ns = 0  # (CLOCK_MONOTONIC) no start before this
         self._server: BoundedServer | None = None  # thread mode: our server and listener
         self._listener: socket.socket | None = None
         self.serving_since: float | None = None
@@ -143,6 +143,8 @@ class ScrapeEndpoint:
             if self._listener is not None:
                 self._check_lock_file()
                 return now_ns + WATCH_NS
+            if now_ns < self._retry_at_ns:
+                return self._retry_at_ns  # a start failed: the export path never waits out its back-off
             if self.election.try_win() is Outcome.LOST:
                 shortage = self.election.shortage
                 if shortage is not None:
@@ -151,7 +153,7 @@ class ScrapeEndpoint:
                     standby.stand_by(self)  # the export path keeps re-electing too: for what no waiter covers
                     outcome = TakeOver(Claim.LOST)
             else:
-                outcome = self._take_over(busy_port_window_s=0.0)
+                outcome = self._take_over(busy_port_window_s=0.0, wait_backoff=False)
                 if outcome.claim is Claim.SERVING and self._listener is None:
                     standby.stand_by(self)  # handed to a server: this rank waits for that server's death
         finally:
@@ -172,7 +174,7 @@ class ScrapeEndpoint:
                 if fd is None:
                     return False  # detached meanwhile: it holds nothing any more
                 self.election.adopt(fd)
-            outcome = self._take_over(busy_port_window_s=_BUSY_PORT_WINDOW_S)
+            outcome = self._take_over(busy_port_window_s=_BUSY_PORT_WINDOW_S, wait_backoff=True)
         finally:
             self._lock.release()
         self._log.report(outcome)
@@ -180,13 +182,17 @@ class ScrapeEndpoint:
 
     # -- winning --------------------------------------------------------------------------------------------
 
-    def _take_over(self, busy_port_window_s: float) -> TakeOver:
-        """Elected (the election is held): start the server, or serve from a thread; nothing is held if not."""
+    def _take_over(self, busy_port_window_s: float, wait_backoff: bool) -> TakeOver:
+        """Elected (the election is held): start the server, or serve from a thread; nothing is held if not.
+
+        ``wait_backoff``: on a standby's thread, a start that failed a moment ago is followed by its back-off,
+        the lock held (nobody could start one sooner); elsewhere (the export path) the lock is given back.
+        """
         if self.spec is not None and self._no_server is None:
-            wait_s = self._retry_at - time.monotonic()
-            if wait_s > 0 and self._closing.wait(wait_s):  # the last start failed: its back-off first
+            wait_s = (self._retry_at_ns - time.monotonic_ns()) / 1e9
+            if wait_s > 0 and (not wait_backoff or self._closing.wait(wait_s)):
                 self.election.release()
-                return TakeOver(Claim.CLOSED)
+                return TakeOver(Claim.CLOSED if self._closed else Claim.LOST)
         try:
             listener = self._bind(busy_port_window_s)
         except (OSError, RuntimeError, MemoryError) as exc:
@@ -244,8 +250,8 @@ class ScrapeEndpoint:
         except StartFailed as failure:
             close_listener(listener)
             self.election.release()
-            self._start_failed(failure.words)
-            return TakeOver(Claim.SHORT, reason=f"the address server cannot start: {failure.words}")
+            self._back_off()  # (said in one line, the shortage's)
+            return TakeOver(Claim.SHORT, reason=f"the address server cannot be started: {failure.words}")
         # The server holds them now (queued on its channel): our copies go, the lock and the port stay.
         close_listener(listener)
         self.election.hand_off()
@@ -264,17 +270,18 @@ class ScrapeEndpoint:
     def _server_ended(self, ready: bool, how: str) -> None:
         """(The carrier's thread) The server this rank started is gone; a standby (maybe ours) starts another."""
         if ready:
-            self._failures, self._retry_at = 0, 0.0
+            self._failures, self._retry_at_ns = 0, 0
             log.warning("the address server of %s %s; a standby rank takes the address over", self.address, how)
-        else:
-            self._start_failed(how)
+            return
+        self._back_off()
+        _warner.warn(("start", self.address), "the address server of %s %s before it was ready; the next start "
+                     "waits a growing pause (at most %.0f s)", self.address, how, START_BACKOFF_MAX_S)
 
-    def _start_failed(self, words: str) -> None:
+    def _back_off(self) -> None:
+        """A start failed: the next one of this rank waits a pause that doubles with each failure in a row."""
         self._failures += 1
         backoff_s = min(START_BACKOFF_MIN_S * 2 ** (self._failures - 1), START_BACKOFF_MAX_S)
-        self._retry_at = time.monotonic() + backoff_s
-        _warner.warn(("start", self.address), "the address server of %s %s before it was ready; the next start "
-                     "waits a growing pause (at most %.0f s)", self.address, words, START_BACKOFF_MAX_S)
+        self._retry_at_ns = time.monotonic_ns() + int(backoff_s * 1e9)
 
     def _serve_from_thread(self, listener: socket.socket) -> TakeOver:
         try:

@@ -152,7 +152,8 @@ class Exporter(Recording):
         self._finalizer = weakref.finalize(self, _release, self._endpoint, self._writer, self._finalizer_state)
         try:
             # Finite even for the owner: events keep checking the store file (_on_deadline).
-            self._next_claim_ns = min(self._endpoint.claim(), time.monotonic_ns() + REVALIDATE_NS)
+            self._claim_due_ns = self._endpoint.claim()
+            self._next_claim_ns = min(self._claim_due_ns, time.monotonic_ns() + REVALIDATE_NS)
             self._owners.poll()
         except BaseException:
             self._finalizer()  # ... nor a bound port or a held election
@@ -177,23 +178,25 @@ class Exporter(Recording):
     # -- recording (the entry points are app.rank.recording's) ------------
 
     def _on_deadline(self) -> None:
-        # Re-election pace (every 200 ms at most): also the moment to notice
-        # that our store file was removed from under us, at one fstat.  The
-        # owner, which never re-elects, keeps this pace for that check.
+        # The store-file check's pace (every 200 ms at most): the moment to notice that our store file was
+        # removed from under us, at one fstat.  The election is re-run at its own pace (_claim_due_ns), which a
+        # failed takeover stretches to seconds: the store check must not make it every 200 ms.
         self._writer.revalidate()
-        self._reclaim()
+        now_ns = time.monotonic_ns()
+        if now_ns >= self._claim_due_ns:
+            self._reclaim()
         if not self._closed:
-            self._next_claim_ns = min(self._next_claim_ns, time.monotonic_ns() + REVALIDATE_NS)
+            self._next_claim_ns = min(self._claim_due_ns, now_ns + REVALIDATE_NS)
 
     def _reclaim(self) -> None:
         """Re-run the election (or, serving, check it); never raises: recording must go on regardless."""
         if self._closed:
             return
         try:
-            self._next_claim_ns = self._endpoint.claim()
+            self._claim_due_ns = self._endpoint.claim()
             self._owners.poll()
         except Exception:
-            self._next_claim_ns = time.monotonic_ns() + BACKOFF_NS
+            self._claim_due_ns = time.monotonic_ns() + BACKOFF_NS
             if not self._reclaim_failed:
                 self._reclaim_failed = True
                 log.warning("re-running the owner election for %s failed; recording goes on and the election "
@@ -234,7 +237,7 @@ class Exporter(Recording):
         # The endpoint and writer have their own fork hooks; a child starts as
         # a writer that may join the election on its next export.
         if not self._closed:
-            self._next_claim_ns = 0
+            self._next_claim_ns = self._claim_due_ns = 0
         else:
             # Forked while a parent thread was closing it: that thread does not exist here, so a close()
             # in the child must not wait for it (and the inherited Event's lock may be held for ever).
