@@ -206,6 +206,10 @@ class BoundedServer(ThreadedWSGIServer):
         being written are.
         """
         self._stopping.set()
+        # Shut down before closing: the serving thread polls this socket, and a descriptor closed under a poll
+        # leaves the socket listening until the poll returns (the port would still be bound when the lock goes).
+        with contextlib.suppress(OSError):
+            self.socket.shutdown(socket.SHUT_RDWR)
         close_listener(self.socket)
         self.connections.close_all(idle_only=True)
 

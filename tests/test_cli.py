@@ -57,8 +57,11 @@ def assert_one_line_error(done: subprocess.CompletedProcess[str], *words: str) -
 # -- demo -------------------------------------------------------------------
 
 def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
+    """At the end of its --duration the demo waits for the address server to give the port up (the TTL after the
+    ranks' last update: Prometheus gets their final values), then prints the totals last."""
     port = free_port()
-    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))  # the demo's own temp dir lands in tmp_path
+    # The demo's own temp dir lands in tmp_path; a short TTL, or the demo waits 10 s for its server to go.
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="2")
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     with reaper() as r:
         demo = r.start([*CLI, "demo", "--ranks", "3", "--port", str(port), "--duration", "3"], env)
@@ -72,7 +75,9 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert health["owner"]["mode"] == "in-process"
         assert sorted(rank["local_rank"] for rank in health["live"]) == ["0", "1", "2"]
-        assert demo.popen.wait(timeout=20) == 0, demo.output
+        assert demo.popen.wait(timeout=30) == 0, demo.output
+    with pytest.raises(OSError):  # the server gave the port up before the demo ended
+        http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)
 
     out = demo.output.splitlines()
     assert any(f"http://127.0.0.1:{port}/metrics" in line and "3 ranks recording into" in line for line in out), out
@@ -82,6 +87,8 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
     assert len(summaries) >= 3, out  # one a second while the ranks run, and the final one
     assert any(line.startswith("ranks live 3 departed 0") for line in summaries), summaries
     assert summaries[-1].startswith("ranks live 0 departed 3 | transfers "), summaries
+    assert out[-1] == summaries[-1]  # the last line
+    assert any(line.startswith("the ranks are done: their final values stay on") for line in out), out
     assert "Traceback" not in demo.output
 
 
@@ -98,45 +105,73 @@ def with_dead_proxy(env: dict[str, str]) -> dict[str, str]:
 
 
 def test_demo_serves_with_http_proxy_set(tmp_path: Path) -> None:
-    """The demo asks its ranks' /healthz which one serves: straight to 127.0.0.1, never through http_proxy
-    (with urlopen it waited 20 s, then named its own rank and helper as the port's holders)."""
+    """The demo asks its ranks' /healthz which one started the server, and whether it still serves at the end:
+    straight to 127.0.0.1, never through http_proxy (with urlopen it waited 20 s, then named its own rank and
+    helper as the port's holders)."""
     port = free_port()
-    env = with_dead_proxy(rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
+    env = with_dead_proxy(rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="1"))
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     done = run_cli("demo", "--ranks", "2", "--port", str(port), "--duration", "2", env=env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"serves http://127.0.0.1:{port}/metrics" in done.stdout, done.stdout
+    first = done.stdout.splitlines()[0]
+    assert re.search(rf"rank pid \d+ started the server of http://127.0.0.1:{port}/metrics", first), done.stdout
+    assert "the ranks are done: their final values stay on" in done.stdout, done.stdout  # (it saw the server)
+    assert done.stdout.splitlines()[-1].startswith("ranks live 0 departed 2 | "), done.stdout
     assert "Traceback" not in done.stdout + done.stderr
 
 
-def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int]:
-    """A demo of ``ranks`` ranks that ends by itself after a few seconds, and the pid of its serving rank."""
+def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int, int]:
+    """A demo of ``ranks`` ranks that ends by itself after a few seconds (and a 1 s TTL), the pid of the rank that
+    started its address server, and its port."""
     port = free_port()
-    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="1")
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     # cwd: where a core dump of a crashed rank would land
     demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--port", str(port), "--duration", "8", "--rate", "50"],
                    env, cwd=tmp_path)
     line = demo.wait_line(lambda line: "ranks recording into" in line, 30)
-    match = re.search(r"rank pid (\d+) serves", line)
+    match = re.search(r"rank pid (\d+) started the server of ", line)
     assert match, line
-    return demo, int(match.group(1))
+    return demo, int(match.group(1)), port
 
 
 def test_a_rank_the_user_kills_is_named_and_is_not_a_failure(tmp_path: Path) -> None:
-    """``kill -9`` of the serving rank, as the README invites, ended the demo in "error: 1 demo rank(s) failed"."""
+    """``kill -9`` of the rank that started the server, as the README invites, ended the demo in "error: 1 demo
+    rank(s) failed".  Nothing moves: the same address server serves on."""
     with reaper() as r:
-        demo, owner = timed_demo(r, tmp_path, ranks=3)
+        demo, owner, port = timed_demo(r, tmp_path, ranks=3)
+        server = get_json(f"http://127.0.0.1:{port}/healthz")["owner"]["server_pid"]
         os.kill(owner, signal.SIGKILL)
+        demo.wait_line(lambda line: f"(pid {owner}) was killed by SIGKILL" in line, 15)
+        assert get_json(f"http://127.0.0.1:{port}/healthz")["owner"]["server_pid"] == server
         assert demo.popen.wait(timeout=30) == 0, demo.output
     assert re.search(rf"^rank [0-2] \(pid {owner}\) was killed by SIGKILL$", demo.output, re.M), demo.output
     assert "error:" not in demo.output and "Traceback" not in demo.output, demo.output
     assert demo.output.splitlines()[-1].startswith("ranks live 0 departed 3 | "), demo.output
 
 
+def test_an_address_server_the_user_kills_is_replaced_and_the_demo_carries_on(tmp_path: Path) -> None:
+    """``kill -9`` of the address server, as the README invites: a rank starts another, the demo ends cleanly."""
+    with reaper() as r:
+        demo, _, port = timed_demo(r, tmp_path, ranks=3)
+        owner = get_json(f"http://127.0.0.1:{port}/healthz")["owner"]
+        os.kill(owner["server_pid"], signal.SIGKILL)
+        ranks = set(children_of(demo.pid))
+
+        def replaced() -> dict | None:
+            new = get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]
+            return new if new["server_pid"] != owner["server_pid"] else None
+
+        assert wait_until(replaced, 20, "a new address server")["started_by"] in ranks
+        assert demo.popen.wait(timeout=30) == 0, demo.output
+    assert "error:" not in demo.output and "Traceback" not in demo.output, demo.output
+    assert not re.search(r"^rank \d", demo.output, re.M), demo.output  # no rank ended but by its duration
+    assert demo.output.splitlines()[-1].startswith("ranks live 0 departed 3 | "), demo.output
+
+
 def test_a_rank_that_crashes_fails_the_demo_naming_the_signal(tmp_path: Path) -> None:
     with reaper() as r:
-        demo, owner = timed_demo(r, tmp_path, ranks=2)
+        demo, owner, _ = timed_demo(r, tmp_path, ranks=2)
         (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
         os.kill(victim, signal.SIGSEGV)  # what a crash in native code would end the rank with
         assert demo.popen.wait(timeout=30) == 1, demo.output
@@ -309,3 +344,5 @@ def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
         demo.killpg(signal.SIGINT)
         assert demo.popen.wait(timeout=15) == 0, demo.output
     assert "Traceback" not in demo.output, demo.output
+    with pytest.raises(OSError):  # a stop stops the ranks' address server too, at once (no TTL wait)
+        http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)

@@ -206,25 +206,39 @@ def test_demo_dir_that_cannot_be_created_names_the_flag(root_owned_dir: Path, tm
     assert not wanted.exists()
 
 
+def server_log(directory: Path, port: int) -> str:
+    """The address server's log file in ``directory`` (once the rank that started it is gone)."""
+    return (directory / f"nixl-server.127.0.0.1:{port}.log").read_text()
+
+
 def test_demo_removes_only_the_directory_it_created(cli: list[str], tmp_path: Path) -> None:
-    env = demo_env(tmp_path)
+    # A short TTL: at the end the demo waits for its address server to publish the final values until the TTL (the
+    # ranks are gone by then, and the server logs to its file).
+    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="2")
     done = run(cli, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50", env=env)
     assert done.returncode == 0, done.stderr
     assert "ranks recording into" in done.stdout and os.listdir(tmp_path / "tmp") == [], done.stdout
 
-    given = tmp_path / "given"
-    done = run(cli, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50",
+    given, port = tmp_path / "given", free_port()
+    done = run(cli, "demo", "--ranks", "2", "--port", str(port), "--duration", "1", "--rate", "50",
                "--dir", str(given), env=env)
     assert done.returncode == 0, done.stderr
-    assert len(list(given.glob("nixl.*.mmap"))) == 2  # a --dir is the user's: kept, with the stores
+    # A --dir is the user's: kept, with what the run left there.  The stores the address server reaped after
+    # the TTL (its log, in the directory, says so), so that the demo ended once their final values were served.
+    assert given.is_dir() and (given / f"nixl-owner.127.0.0.1:{port}.lock").exists()
+    log = server_log(given, port)
+    assert "agent 'demo-agent-0'" in log and "agent 'demo-agent-1'" in log, log
 
 
 def test_demo_with_a_relative_dir_gives_the_ranks_an_absolute_one(cli: list[str], tmp_path: Path) -> None:
-    done = run(cli, "demo", "--ranks", "1", "--port", str(free_port()), "--duration", "1", "--dir", "rel",
-               env=demo_env(tmp_path), cwd=tmp_path)
+    """The rank's store, and the address server (which runs in /), are in tmp_path/rel."""
+    port = free_port()
+    done = run(cli, "demo", "--ranks", "1", "--port", str(port), "--duration", "1", "--dir", "rel",
+               env=demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="2"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"recording into {tmp_path / 'rel'};" in done.stdout, done.stdout
-    assert len(list((tmp_path / "rel").glob("nixl.*.mmap"))) == 1
+    log = server_log(tmp_path / "rel", port)  # it reaped the rank's store there, after the TTL
+    assert "agent 'demo-agent-0'" in log, log
 
 
 # -- progress line --------------------------------------------------------------------------------------------

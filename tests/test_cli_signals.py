@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-from support_e2e import Proc, Reaper, children_of, free_port, pids_alive, rank_env, reaper, wait_until
+from support_e2e import Proc, Reaper, children_of, free_port, http_get, pids_alive, rank_env, reaper, wait_until
 
-pytestmark = pytest.mark.usefixtures("serve_mode")  # the demo's ranks serve from a helper, and from a thread
+# The demo's ranks serve through an address server, then from a thread.
+pytestmark = pytest.mark.usefixtures("serve_mode")
 
 CLI = [sys.executable, "-m", "app"]
 TRIALS = 12  # per serving mode (the serve_mode fixture runs each test in both): 24 stops in all
@@ -32,6 +33,15 @@ for pid in map(int, sys.argv[1:]):
     for n in range(300):
         os.kill(pid, (signal.SIGTERM, signal.SIGINT)[n % 2])
 """  # 300 signals per stop: the old handler hung about one stop in five under such a burst
+
+
+def served(port: int) -> bool:
+    """Whether anything answers HTTP on the port (an address server still starting answers once it runs)."""
+    try:
+        http_get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    except OSError:
+        return False
+    return True
 
 
 def group_members(pgid: int) -> list[int]:
@@ -105,23 +115,25 @@ def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
             assert status == 0 or (status == -signal.SIGTERM and not after_start), (trial, status, demo.output)
             survivors = group_members(demo.pid)  # the ranks run in the demo's process group
             assert survivors == [], (trial, survivors)
+            # ... and their address server (a session of its own) was stopped with them, not left for the TTL.
+            assert not served(port), (trial, demo.output)
             assert "Traceback" not in demo.output, demo.output
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nixl-metrics-demo-")] == []
 
 
-def serving_demo(r: Reaper, tmp_path: Path, ranks: int) -> Proc:
-    """A demo of ``ranks`` ranks, its temporary directory in ``tmp_path``, once a rank serves."""
+def serving_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int]:
+    """A demo of ``ranks`` ranks, its temporary directory in ``tmp_path``, once a rank serves; and its port."""
     port = free_port()
     demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--rate", "500", "--port", str(port)],
                    rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
     demo.wait_line(lambda line: "ranks recording into" in line, 30)
-    return demo
+    return demo, port
 
 
 def test_ranks_die_with_a_demo_killed_outright(tmp_path: Path) -> None:
     """SIGKILL cannot be forwarded: the ranks asked the kernel to end them with their parent."""
     with reaper() as r:
-        demo = serving_demo(r, tmp_path, ranks=3)
+        demo, _ = serving_demo(r, tmp_path, ranks=3)
         ranks = children_of(demo.pid)
         assert len(ranks) == 3, ranks
         os.kill(demo.pid, signal.SIGKILL)
@@ -147,11 +159,12 @@ def demo_directories(tmp: Path) -> list[str]:
 def test_sighup_to_the_job_stops_the_demo_and_removes_its_directory(tmp_path: Path) -> None:
     """What a shell does to its jobs when its terminal closes; the default action left four stores and a lock."""
     with reaper() as r:
-        demo = serving_demo(r, tmp_path, ranks=4)
+        demo, port = serving_demo(r, tmp_path, ranks=4)
         assert len(demo_directories(tmp_path)) == 1
         demo.killpg(signal.SIGHUP)  # the demo and its ranks: one process group
         assert demo.popen.wait(timeout=STOP_BOUND_S) == 0, demo.output
         assert group_members(demo.pid) == []
+        assert not served(port)  # the address server was stopped too
     assert demo_directories(tmp_path) == [], demo.output
     assert "Traceback" not in demo.output, demo.output
 
@@ -187,3 +200,4 @@ def test_a_closed_terminal_stops_the_demo_and_removes_its_directory(tmp_path: Pa
     assert status == 0
     wait_until(lambda: group_members(pid) == [], 10, lambda: f"the ranks {group_members(pid)} to stop")
     assert demo_directories(tmp_path) == []
+    assert not served(port)  # the address server was stopped too

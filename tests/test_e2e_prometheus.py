@@ -204,14 +204,33 @@ def test_scrape_targets_up_counts_only_nixl_targets(tmp_path: Path) -> None:
 
 
 @needs_prometheus
-def test_series_continue_after_the_owner_is_killed(tmp_path: Path) -> None:
+def test_series_continue_after_the_starting_rank_then_the_address_server_are_killed(tmp_path: Path) -> None:
+    """The rank that started the address server dies: nothing moves, Prometheus goes on scraping the same server.
+    Then that server is killed: a standby rank starts another, and every series resumes."""
     with run(tmp_path, ranks=3) as (_, procs, port, prom):
         owner = get_json(f"http://127.0.0.1:{port}/healthz")["owner"]
-        assert owner["pid"] == procs[0].pid
-        procs[0].killpg(signal.SIGKILL)
+        assert (owner["started_by"], owner["serving"]) == (procs[0].pid, "helper")
+        server = owner["server_pid"]
+        assert server not in {p.pid for p in procs}
+        procs[0].killpg(signal.SIGKILL)  # the rank's process group: the server, in a session of its own, stays
         procs[0].popen.wait(timeout=10)
-        killed_at = time.time()
+        rank_killed_at = time.time()
 
+        def up_since(since: float) -> bool:
+            """Prometheus's last scrape of the job came after ``since`` and succeeded."""
+            (up,) = prom.query('up{job="nixl"}')
+            (at,) = prom.query('timestamp(up{job="nixl"})')
+            return float(up["value"][1]) == 1.0 and float(at["value"][1]) > since
+
+        wait_until(lambda: up_since(rank_killed_at + 1), 20,
+                   lambda: f"scrapes after the rank's death ({scrape_health(prom)})")
+        # Every scrape since the rank's death succeeded (the window reaches back before it: those did too).
+        window_s = math.ceil(time.time() - rank_killed_at) + 1
+        assert [float(s["value"][1]) for s in prom.query(f'min_over_time(up{{job="nixl"}}[{window_s}s])')] == [1.0]
+        assert get_json(f"http://127.0.0.1:{port}/healthz")["owner"]["server_pid"] == server  # nothing moved
+
+        os.kill(server, signal.SIGKILL)
+        killed_at = time.time()
         survivors = {str(i): p.pid for i, p in enumerate(procs) if i != 0}
 
         def resumed() -> bool:
@@ -221,16 +240,16 @@ def test_series_continue_after_the_owner_is_killed(tmp_path: Path) -> None:
                     return False
             return True
 
-        wait_until(resumed, 20, lambda: f"samples scraped after the kill ({scrape_health(prom)})")
+        wait_until(resumed, 30, lambda: f"samples scraped after the kill ({scrape_health(prom)})")
         new_owner = get_json(f"http://127.0.0.1:{port}/healthz")["owner"]
-        assert new_owner["pid"] in survivors.values() and new_owner["mode"] == "in-process"
+        assert new_owner["server_pid"] != server and new_owner["started_by"] in survivors.values()
+        assert new_owner["mode"] == "in-process"
         for name in ("agent_tx_bytes_total", "agent_xfer_time_us_count", "agent_xfer_time"):
             values = prom.by_rank(name)
             for rank in survivors:
                 assert values[rank] == expected(int(rank))[name], (name, rank, values)
-            assert values["0"] == expected(0)[name]  # the dead owner: still published until the TTL
-        up = prom.query('up{job="nixl"}')
-        assert float(up[0]["value"][1]) == 1.0 and float(up[0]["value"][0]) > killed_at, scrape_health(prom)
+            assert values["0"] == expected(0)[name]  # the dead rank: still published until the TTL
+        assert up_since(killed_at), scrape_health(prom)
         assert prom.target()["lastError"] == ""
 
 

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import (
     DEADLINE_S,
     START_DEADLINE_S,
+    ExporterRank,
     Reaper,
     SeriesKey,
     free_port,
@@ -58,7 +59,7 @@ from app.rank.exporter import create_exporter
 from election import lock_file_name
 from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
 
-pytestmark = pytest.mark.usefixtures("serve_mode")  # our ranks serve from a helper, and from a thread
+pytestmark = pytest.mark.usefixtures("serve_mode")  # our ranks serve through an address server, and from a thread
 
 PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
 # The Python rank's events, and what they must show as (one agent, by sample name).
@@ -149,11 +150,35 @@ def cpp_stores(*ranks: CppRank) -> set[tuple[object, object]]:
 # -- mixed directory, the aggregator, takeovers -----------------------------------------------------------------
 
 
+def wait_for_python_owner(port: int, rank_pid: int, since: float) -> tuple[float, int]:
+    """Seconds from ``since`` until the Python rank ``rank_pid`` serves the port, and the pid that holds it: the
+    address server that rank started (helper mode), or the rank itself (thread mode)."""
+    if os.environ.get("NIXL_PROMETHEUS_MP_SERVE") == "thread":
+        return wait_for_owner(port, rank_pid, since=since), rank_pid
+
+    def server() -> int | None:
+        owner = healthz(port, timeout=2)["owner"]
+        return owner["server_pid"] if owner["started_by"] == rank_pid and owner["serving"] == "helper" else None
+
+    # A fresh interpreter starts the server: a bound only a hang reaches (bench has the figures).
+    holder = wait_until(server, START_DEADLINE_S, message=f"an address server started by pid {rank_pid}")
+    return wait_for_owner(port, holder, since=since), holder
+
+
+def end_python_owner(port: int, rank: ExporterRank, holder: int) -> None:
+    """End the Python rank that serves: in helper mode its address server (the job's) serves on after the rank's
+    death, so it is SIGKILLed too, after the rank: the address then moves to whoever wins next."""
+    rank.kill()
+    if holder != rank.pid:
+        assert healthz(port)["owner"]["server_pid"] == holder  # a rank's death moves nothing
+        os.kill(holder, signal.SIGKILL)
+
+
 @pytest.mark.usefixtures("nixl_required")
 def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reaper: Reaper) -> None:
     """The aggregator pod: C++ and Python ranks write, gunicorn serves; exact values, live/stale per process;
-    killing the aggregator hands the address to the Python standby, killing that one to a C++ rank, and a new
-    aggregator takes it back."""
+    killing the aggregator hands the address to the Python standby, killing that one (and its address server)
+    to a C++ rank, and a new aggregator takes it back."""
     port = free_port()
     with support_e2e.reaper() as group:
         aggregator = start_aggregator(group, tmp_dir, port)
@@ -177,16 +202,17 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
         before = parse_exposition(scrape(port))
         assert_cpp_rank(before, c1.totals)  # a departed rank keeps its last values until the TTL
 
-        # The aggregator goes away: the Python rank, standing by in the kernel, serves at once.  Then it goes
-        # too, and the C++ rank that keeps transferring re-runs its election (as it exports) and serves.
+        # The aggregator goes away: the Python rank, standing by in the kernel, serves at once (helper mode:
+        # through the address server it starts).  Then it goes too (with its server), and the C++ rank that keeps
+        # transferring re-runs its election (as it exports) and serves.
         c0.pump()
         killed = time.monotonic()
         aggregator.killpg(signal.SIGKILL)
         aggregator.popen.wait(DEADLINE_S)
-        python_took_s = wait_for_owner(port, py.pid, since=killed)
+        python_took_s, holder = wait_for_python_owner(port, py.pid, since=killed)
         assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid, py.pid})
         killed = time.monotonic()
-        py.kill()
+        end_python_owner(port, py, holder)
         cpp_took_s = wait_for_owner(port, c0.pid, since=killed)
         assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid})
 
@@ -212,7 +238,8 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
 
 @pytest.mark.usefixtures("nixl_required")
 def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) -> None:
-    """C++ owner killed -> a Python rank serves; Python owner killed -> a C++ rank serves; nothing goes back."""
+    """C++ owner killed -> a Python rank serves; Python owner killed (helper mode: with its address server) -> a
+    C++ rank serves; nothing goes back."""
     port = free_port()
     (first,) = start_cpp_ranks(reaper, tmp_dir, port, ["cppA"])
     wait_for_owner(port, first.pid)
@@ -224,7 +251,7 @@ def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) ->
     before = published(port, first.totals)
     killed = time.monotonic()
     first.kill()
-    python_took_s = wait_for_owner(port, py.pid, since=killed)
+    python_took_s, holder = wait_for_python_owner(port, py.pid, since=killed)
     after = parse_exposition(scrape(port))
     assert_not_backwards(before, after, active={py.pid})
     assert_cpp_rank(after, first.totals)
@@ -236,7 +263,7 @@ def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) ->
     second.pump()
     before = parse_exposition(scrape(port))
     killed = time.monotonic()
-    py.kill()
+    end_python_owner(port, py, holder)
     cpp_took_s = wait_for_owner(port, second.pid, since=killed)
     totals = second.unpump()
     after = published(port, first.totals, totals)

@@ -264,6 +264,9 @@ def test_port_held_by_a_foreign_socket_warns_then_a_rank_takes_over(tmp_dir: Pat
 
             wait_until(warned, message=f"pid {rank.pid} warning that it cannot bind {address}")
         assert not any(r.serving() for r in ranks)
+        # The election was conceded: each failed bind released it (a rank holds it again for a moment each time
+        # it retries, every 5 s, asking the port's holder for /healthz).
+        wait_until(lambda: held_addresses_except(tmp_dir, "127.0.0.1:1") == [], message="the election released")
     finally:
         foreign.close()
     # the first rank to retry once the port is free serves (helper mode: through the server it starts)

@@ -2,7 +2,9 @@
 
 The gunicorn master holds the owner election, so ranks configured for the
 same address stay writers; its workers serve and must never keep the
-election locked; killing the aggregator hands the address to a rank.
+election locked; killing the aggregator hands the address to a rank (which
+starts an address server for it).  A rank that was first holds the address
+through its job's address server: the aggregator waits for that server to go.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from support import listening_socket, open_direct, try_scrape
+from support import listening_socket, open_direct
 from support_e2e import (
     REPO,
     VENV_BIN,
@@ -61,6 +62,15 @@ def start_aggregator(r, directory: Path, port: int, workers: int = 2, **extra: s
     wait_until(lambda: holders_of(lock_path, children_of(proc.pid)) == [], 10,
                lambda: f"the workers to drop the election descriptor ({holders_of(lock_path, children_of(proc.pid))})")
     return proc
+
+
+def address_server_of(port: int) -> dict:
+    """/healthz's owner once the address server a rank started answers on ``port``."""
+    def answered() -> dict | None:
+        owner = get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]
+        return owner if owner["serving"] == "helper" else None
+
+    return wait_until(answered, 20, "the rank's address server to answer")
 
 
 def holders_of(path: Path, pids: list[int]) -> list[int]:
@@ -204,18 +214,16 @@ def test_master_sigkill_takes_the_workers_and_frees_the_address(tmp_path: Path) 
         wait_until(lambda: pids_alive(workers) == [], 5, "the orphaned workers to exit")
         assert lock_is_free(lock_path)
 
-        # ... and with a rank running, the rank takes the address over promptly: the workers no
-        # longer listen on it, so its first bind after winning the election succeeds.
+        # ... and with a rank running, the rank takes the address over (its standby waits in the kernel) and
+        # starts an address server: the workers no longer listen on it, so its first bind after winning succeeds.
         master = start_aggregator(r, directory, port, workers=2)
         rank = r.rank(directory, port, 0)
         assert wait_ready(rank) is False
         os.kill(master.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        rank.wait_line(lambda s: s == "serving=True", 10)
-        took = time.monotonic() - killed
-        health = get_json(f"http://127.0.0.1:{port}/healthz")
-        assert (health["owner"]["mode"], health["owner"]["pid"]) == ("in-process", rank.pid)
-        assert took < 2.0, f"takeover took {took:.2f} s"
+        rank.wait_line(lambda s: s == "serving=True", 20)
+        owner = address_server_of(port)
+        assert (owner["mode"], owner["started_by"]) == ("in-process", rank.pid)
+        assert owner["server_pid"] not in (rank.pid, master.pid)
         assert "cannot bind" not in rank.output, rank.output
 
 
@@ -227,7 +235,6 @@ def test_killing_the_aggregator_hands_the_address_to_a_rank(tmp_path: Path) -> N
         assert [wait_ready(rank) for rank in ranks] == [False, False]
 
         master.killpg(signal.SIGKILL)  # master and workers, as a container runtime would
-        killed = time.monotonic()
         master.popen.wait(timeout=10)
 
         def new_owner() -> dict | None:
@@ -235,10 +242,10 @@ def test_killing_the_aggregator_hands_the_address_to_a_rank(tmp_path: Path) -> N
             health = get_json(f"http://127.0.0.1:{port}/healthz", timeout=1) if status == 200 else None
             return health if health and health["owner"]["mode"] == "in-process" else None
 
-        health = wait_until(new_owner, 10, "a rank to serve the address")
-        took = time.monotonic() - killed
-        assert health["owner"]["pid"] in {rank.pid for rank in ranks}
-        assert took < 2.0, f"takeover took {took:.2f} s"
+        # (a bound only a hang reaches: a fresh interpreter starts the address server; bench has the figures)
+        health = wait_until(new_owner, 20, "a rank to serve the address")
+        assert health["owner"]["serving"] == "helper"
+        assert health["owner"]["started_by"] in {rank.pid for rank in ranks}
         samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
         assert by_rank(samples, "agent_tx_bytes_total") == {str(i): expected(i)["agent_tx_bytes_total"]
                                                             for i in range(2)}
@@ -370,11 +377,11 @@ def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> Non
         agg = r.start([*web[:-1], "--log-level", "warning", web[-1]],
                       rank_env(directory, port, GUNICORN_WORKERS="1", NIXL_TELEMETRY_MP_STALE_TTL="0"), cwd=tmp_path)
         agg.wait_line(lambda s: "holds the owner election" in s and "[WARNING]" in s, 20)
+        server = address_server_of(port)["server_pid"]
         assert rank.stop() == 0
+        # The job's address server would serve the departed rank until its TTL: an operator stops it instead.
+        os.kill(server, signal.SIGTERM)
         (store,) = directory.glob("nixl.*.mmap")  # the departed rank's, left for the aggregator to reap
-        # The rank's helper, if it was ready when the rank closed, stays on for its last values until they are
-        # served (a helper still starting was stopped with the rank, and nothing answers now).
-        try_scrape(port)
         health = wait_until(lambda: (d := get_json(f"http://127.0.0.1:{port}/healthz", timeout=1))["owner"][
             "mode"] == "standalone" and d, 20, "the aggregator to serve")
         assert health["owner"]["pid"] == agg.pid
@@ -387,16 +394,17 @@ def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> Non
 def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
     with reaper() as r:
-        rank = r.rank(directory, port, 0)
+        rank = r.rank(directory, port, 0, NIXL_TELEMETRY_MP_STALE_TTL="1")
         assert wait_ready(rank) is True
+        server = address_server_of(port)["server_pid"]
         agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         line = agg.wait_line(lambda s: "holds the owner election" in s and "pid " in s, 20)
-        assert f"pid {rank.pid} on " in line and "(in-process, agent agent-0)" in line, line
+        # The holder is the job's address server: named, with the rank that started it.
+        assert f"the address server pid {server} on " in line, line
+        assert f"(started by rank pid {rank.pid}, agent agent-0)" in line, line
         assert f"of 127.0.0.1:{port}; the aggregator waits for the address" in line, line
-        # ... and once the rank is gone, it takes the address over: once the rank's helper, which stays on for
-        # the departed rank's last values, has served them (a scrape, as Prometheus's next one).
+        # ... and once the job is over (its rank gone, and the server's TTL past), it takes the address over.
         rank.stop()
-        try_scrape(port)  # (nothing answers if the rank's helper was still starting: it went with the rank)
 
         def aggregator_owner() -> dict[str, object] | None:
             owner = get_json(f"http://127.0.0.1:{port}/healthz", timeout=1)["owner"]
@@ -444,8 +452,10 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
     directory, port = tmp_path / "mp", free_port()
     with reaper() as r:
         rank = r.rank(directory, port, 0)
-        assert wait_ready(rank) is True  # serves until the aggregator takes over below
+        assert wait_ready(rank) is True  # its address server serves until the aggregator takes over below
+        server = address_server_of(port)["server_pid"]
         rank.stop()
+        os.kill(server, signal.SIGTERM)  # (else it serves the departed rank until the TTL, and the aggregator waits)
         command = [*procfile_web_command()[:-1], "--certfile", str(cert), "--keyfile", str(key),
                    procfile_web_command()[-1]]
         agg = r.start(command, rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
@@ -532,19 +542,17 @@ def test_waiting_aggregator_names_each_new_holder(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
     lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
     with reaper() as r:
-        first = r.rank(directory, port, 0)
+        first = r.rank(directory, port, 0, NIXL_TELEMETRY_MP_STALE_TTL="1")
         assert wait_ready(first) is True
+        server = address_server_of(port)["server_pid"]
         agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
-        agg.wait_line(lambda s: f"pid {first.pid} on " in s and "holds the owner election" in s, 20)
-        # The next holder waits in flock(LOCK_EX), so the kernel hands it the lock the moment the rank drops it
-        # (the aggregator only polls), then serves the port without /healthz, as NIXL's C++ plug-in would.
+        agg.wait_line(lambda s: f"the address server pid {server} on " in s and "holds the owner election" in s, 20)
+        # The next holder waits in flock(LOCK_EX), so the kernel hands it the lock the moment the address server
+        # drops it (the aggregator only polls), then serves the port without /healthz, as NIXL's C++ plug-in would.
         second = r.start([sys.executable, "-c", HOLDER_CODE, str(lock_path), str(port)], rank_env(directory, port),
                          stdin=True)
         wait_until(lambda: blocked_on_flock(second.pid), 20, "the second holder to wait for the lock")
-        first.stop()
-        # The rank's helper, if it was ready when the rank closed, stays on for its last values until they are
-        # served (a helper still starting was stopped with the rank, and nothing answers now).
-        try_scrape(port)
+        first.stop()  # the job ends: its address server gives the address up once the rank's TTL is past
         second.wait_line(lambda s: s == "ready", 20)
         line = agg.wait_line(lambda s: f"pid {second.pid} (serving 127.0.0.1:{port} without /healthz" in s, 20)
         assert f"holds the owner election of 127.0.0.1:{port}; the aggregator waits" in line, line

@@ -33,6 +33,7 @@ from support import (
     start_exporter_rank,
     start_rank,
     wait_until,
+    wait_until_settled,
 )
 from support_forge import forge_store, store_bytes
 from support_nixl import nixl_required_fixture, start_cpp_ranks  # noqa: F401  (pytest fixture)
@@ -160,12 +161,13 @@ def test_table_shows_every_rank_and_a_totals_line(tmp_dir: Path, reaper: Reaper)
 
 @pytest.mark.usefixtures("nixl_required")
 def test_the_ttl_is_the_owners_when_none_is_given(tmp_dir: Path, reaper: Reaper) -> None:
-    """Without --ttl or the variable, top counts the departed ranks' time with the TTL the owner applies."""
+    """Without --ttl or the variable, top counts the departed ranks' time with the TTL the owner applies (the
+    address server a rank started: it answers /healthz once its interpreter has started)."""
     port = free_port()
-    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "10"})
+    start_exporter_rank(reaper, tmp_dir, port, agent="owner", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "10"})
     gone = start_exporter_rank(reaper, tmp_dir, port, agent="gone", extra_env={"NIXL_TELEMETRY_MP_STALE_TTL": "10"})
     gone.kill()
-    assert owner.serving()
+    wait_until_settled(port)  # (whichever rank started it: a rank's death moves nothing)
     done = top(str(tmp_dir), "--once", "--interval", "0.5", env={"NIXL_TELEMETRY_MP_STALE_TTL": ""})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
