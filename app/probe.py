@@ -87,8 +87,8 @@ def lock_holder_pid(path: Path) -> int | None:
     return next((pid or None for blocked, pid in flock_entries(st) if not blocked), None)
 
 
-def port_holders(port: int) -> str:
-    """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
+def listening_pids(port: int) -> list[int]:
+    """The processes listening on TCP ``port`` that this user can see, from Linux's /proc."""
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -103,7 +103,16 @@ def port_holders(port: int) -> str:
     for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
         with contextlib.suppress(OSError):
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
-                holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
+                holders.append(int(pid))
+    return holders
+
+
+def port_holders(port: int) -> str:
+    """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
+    holders = []
+    for pid in listening_pids(port):
+        with contextlib.suppress(OSError):
+            holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
     return ", ".join(holders) or "a process this user cannot see"
 
 

@@ -30,7 +30,10 @@ RANKS_PER_ROUND = 60
 
 def test_concurrent_scrapes_never_fail_because_of_each_other(tmp_dir: Path, make_exporter) -> None:
     port = free_port()
-    exp = make_exporter("owner", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="3600"))
+    # Served from a thread of this process: the tiny switch interval below is this process's (an address server's
+    # threads would switch at their own pace).
+    exp = make_exporter("owner", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="3600",
+                                              NIXL_PROMETHEUS_MP_SERVE="thread"))
     assert exp.serving
     stop = threading.Event()
     failures: list[str] = []

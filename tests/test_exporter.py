@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import stat
 import textwrap
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from support import (  # noqa: F401  (pytest fixtures)
+    DEADLINE_S,
     START_DEADLINE_S,
     can_bind,
     exporter_env,
@@ -282,10 +284,15 @@ def test_record_helpers_feed_the_right_series(tmp_dir: Path, make_exporter) -> N
 # -- life cycle ---------------------------------------------------------------------------------------------------
 
 
+# Thread mode: the rank's own listener.  A rank that handed the address to an address server (the default) holds no
+# port to free: its server serves the job's final values until the TTL (test_address_server.py).
+THREAD_MODE = {"NIXL_PROMETHEUS_MP_SERVE": "thread"}
+
+
 def test_close_is_idempotent_frees_the_port_and_leaves_the_store(tmp_dir: Path, make_exporter, lock_probe,
                                                                   caplog) -> None:
     port = free_port()
-    exp = make_exporter("a", exporter_env(tmp_dir, port))
+    exp = make_exporter("a", exporter_env(tmp_dir, port, **THREAD_MODE))
     exp.export_event(E.AGENT_TX_BYTES, 11)
     assert exp.serving and not can_bind(port)
     scrape(port)  # leave a connection behind in TIME_WAIT: the next owner binds anyway
@@ -302,13 +309,13 @@ def test_close_is_idempotent_frees_the_port_and_leaves_the_store(tmp_dir: Path, 
     assert read_snapshot(exp.store_path).counters[E.AGENT_TX_BYTES] == 11
     assert not exp.serving
     # the election is released too: the next exporter on the address serves at once
-    successor = make_exporter("b", exporter_env(tmp_dir, port))
+    successor = make_exporter("b", exporter_env(tmp_dir, port, **THREAD_MODE))
     assert successor.serving
 
 
 def test_context_manager_closes(tmp_dir: Path, make_exporter) -> None:
     port = free_port()
-    env = exporter_env(tmp_dir, port)
+    env = exporter_env(tmp_dir, port, **THREAD_MODE)
     with Exporter("ctx", env) as exp:
         assert exp.serving
         exp.export_event(E.AGENT_RX_BYTES, 5)
@@ -429,8 +436,7 @@ FORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.usefixtures("serve_mode")
-def test_forked_child_records_into_its_own_store_and_never_serves(tmp_dir: Path, reaper) -> None:
+def test_forked_child_records_into_its_own_store_and_never_serves(tmp_dir: Path, reaper, serve_mode: str) -> None:
     port = free_port()
     rank = start_rank(reaper, FORKER, exporter_env(tmp_dir, port))
     info = json.loads(rank.readline(START_DEADLINE_S))
@@ -446,14 +452,19 @@ def test_forked_child_records_into_its_own_store_and_never_serves(tmp_dir: Path,
     parent_tx = [v for key, v in select_pid(samples, rank.pid).items() if key[0] == "agent_tx_bytes_total"]
     child_tx = [v for key, v in select_pid(samples, child["pid"]).items() if key[0] == "agent_tx_bytes_total"]
     assert parent_tx == [10] and child_tx == [7]
-    assert healthz(port)["owner"]["pid"] == rank.pid
+    owner = healthz(port)["owner"]
+    if serve_mode == "helper":  # the address server the parent started answers, never the child
+        assert owner["started_by"] == rank.pid and owner["server_pid"] not in (rank.pid, child["pid"]), owner
+    else:
+        assert owner["pid"] == owner["server_pid"] == rank.pid, owner
 
 
 # -- re-election pace -----------------------------------------------------------------------------------------
 
 
 def test_writer_retries_the_election_at_most_every_200ms(tmp_dir: Path, make_exporter) -> None:
-    env = exporter_env(tmp_dir, free_port())
+    port = free_port()
+    env = exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="helper")  # an address server: SIGTERMed below
     owner = make_exporter("owner", env)
     writer = make_exporter("writer", env)
     assert owner.serving and not writer.serving
@@ -480,11 +491,16 @@ def test_writer_retries_the_election_at_most_every_200ms(tmp_dir: Path, make_exp
     for (a, _), (b, _) in itertools.pairwise(attempts):
         assert b - a >= RETRY_NS, f"two attempts {(b - a) / 1e6:.1f} ms apart"
 
-    # The owner goes: the writer's standby takes the address over from the kernel, with no export at all.
+    # The address server goes (an operator's SIGTERM; the owner closed first, or its own standby, first in line in
+    # this process, would start the next one): the writer's standby takes the address over from the kernel, with
+    # no export at all.
     seen = len(attempts)
+    server = healthz(port)["owner"]["server_pid"]
     owner.close()
-    wait_until(lambda: writer.serving, timeout=10, message="the standby to take over")
+    os.kill(server, signal.SIGTERM)
+    wait_until(lambda: writer.serving, timeout=DEADLINE_S, message="the standby to take over")
     assert len(attempts) == seen  # not through the export path
+    assert healthz(port)["owner"]["server_pid"] != server
 
 
 @pytest.mark.parametrize(("xfer", "post", "nbytes", "error"), [

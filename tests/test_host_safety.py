@@ -5,24 +5,29 @@ pthread_kill, rmtree) in a child process where it would harm the suite, with bou
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import http.client
 import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support import (
+    DEADLINE_S,
     PROJECT_ROOT,
+    START_DEADLINE_S,
     can_bind,
     child_env,
     exporter_env,
@@ -77,7 +82,10 @@ CHILD_PRELUDE = textwrap.dedent("""
         return lambda: ([os.close(fd) for fd in fillers], resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
 
     def limit_threads():
-        # RLIMIT_AS just above what is mapped: no room for a new thread's stack.
+        # RLIMIT_AS just above what is mapped: no room for a new thread's stack.  And new stacks larger than any
+        # thread of ours has: a thread of ours that ends (a standby that handed its win over) leaves its stack to
+        # glibc's cache, which a new thread of the same size would reuse without mapping anything.
+        threading.stack_size(64 << 20)
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -88,7 +96,7 @@ CHILD_PRELUDE = textwrap.dedent("""
             pass
         else:
             raise AssertionError("RLIMIT_AS did not stop a thread from starting")
-        return lambda: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        return lambda: (resource.setrlimit(resource.RLIMIT_AS, (soft, hard)), threading.stack_size(0))
 """)
 
 
@@ -108,6 +116,20 @@ def run_child(script: str, env: dict[str, str], timeout: float, args: tuple[str,
 
 def rank_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
     return exporter_env(directory, port, **extra)
+
+
+def address_given_up(directory: Path, port: int) -> None:
+    """Wait (bounded) until the port and the election are free: at once once a rank serving from a thread is
+    gone; an address server (the job's) goes once nothing of the directory is live nor within the TTL."""
+    lock = directory / lock_file_name(f"127.0.0.1:{port}")
+    wait_until(lambda: can_bind(port) and lock_is_free(lock), message=f"port {port} and its election free")
+
+
+def kill_server(pid: int) -> None:
+    """SIGKILL an address server and reap it (this process is a subreaper, see conftest: the server its orphan)."""
+    os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 # -- item: a forked child never holds the parent's listener ---------------------------------------------------
@@ -161,11 +183,14 @@ FORK_STORM = """
 @pytest.mark.timeout(120)
 def test_fork_storm_during_takeovers_and_closes_never_leaks_the_listener(tmp_dir):
     port = free_port()
-    result, stderr = run_child(FORK_STORM, rank_env(tmp_dir, port), timeout=90, args=(str(port), "400", "20"))
+    # TTL 0: an address server gives the address up as soon as it finds nothing live (between two churns), and
+    # the next Exporter takes it over again.
+    env = rank_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")
+    result, stderr = run_child(FORK_STORM, env, timeout=90, args=(str(port), "400", "20"))
     assert result["forks"] >= 100 and result["cycles"] >= 10, result  # the storm really ran
     assert result["leaks"] == 0, f"{result['leaks']} of {result['forks']} children held the listener"
     assert "Traceback" not in stderr, stderr
-    assert can_bind(port)
+    address_given_up(tmp_dir, port)
 
 
 # -- items: a takeover that cannot start serving gives the election back; exports never raise for it ----------
@@ -190,7 +215,9 @@ STARVED_TAKEOVER = """
         n += 1
         time.sleep(0.002)
     say(serving=exp.serving, errors=errors[:5], n=n)
-    assert command() == "lift"
+    if command() == "exit":
+        exp.close()
+        sys.exit(0)
     lift()
     deadline = time.monotonic() + 20
     while not exp.serving and time.monotonic() < deadline:
@@ -204,10 +231,13 @@ STARVED_TAKEOVER = """
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("limit", ["descriptors-0", "descriptors-1", "threads"])
-def test_takeover_without_resources_releases_the_election_and_exports_never_raise(tmp_dir, reaper, limit):  # noqa: F811
-    """descriptors-0: no descriptor for the socket; descriptors-1: bound, but none for werkzeug's copy;
-    threads: bound, but no thread.  Each time: no export raises, one warning, the election is free for another
-    rank (which takes over), and once the limit lifts the rank serves, elected by flock (no fallback)."""
+def test_takeover_without_resources_releases_the_election_and_exports_never_raise(tmp_dir, reaper, limit,  # noqa: F811
+                                                                                   serve_mode):
+    """descriptors-0: no descriptor for the socket; descriptors-1: bound, but none for the next one (werkzeug's
+    copy of it, or the channel to an address server); threads: bound, but no thread.  Each time no export raises.
+    A rank that cannot serve says so in one warning and leaves the election free for another rank (which takes
+    over), and once the limit lifts it serves, elected by flock (no fallback).  Handing the address to an address
+    server takes a process, not a thread of the rank's: out of threads only, the rank still does."""
     port = free_port()
     lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
     os.close(os.open(lock, os.O_CREAT | os.O_WRONLY, 0o600))
@@ -220,27 +250,40 @@ def test_takeover_without_resources_releases_the_election_and_exports_never_rais
             child.send(cmd)
         return json.loads(child.readline(timeout))
 
+    def warnings() -> list[str]:
+        return [line for line in child.stderr_text().splitlines() if line.startswith("WARNING")]
+
     assert ask()["serving"] is False
     assert ask("limit")["limited"]
-    holder.kill()  # the owner dies while the rank cannot serve
+    holder.kill()  # the owner dies while the rank cannot serve (or can only start a server)
     starved = ask("record")
     assert starved["errors"] == [] and starved["n"] > 0, starved
+    if serve_mode == "helper" and limit == "threads":
+        owner = healthz(port)["owner"]
+        assert owner["started_by"] == child.pid and owner["server_pid"] != child.pid, owner
+        assert owner["election"] == "flock"
+        child.send("exit")
+        child.proc.wait(timeout=30)
+        assert warnings() == [] and "Traceback" not in child.stderr_text(), child.stderr_text()
+        return
     assert starved["serving"] is False
     assert lock_is_free(lock), "the starved rank kept the election"
     other = start_exporter_rank(reaper, tmp_dir, port, agent="other", tick_hz=20)  # so another rank takes over
-    wait_until(other.serving, timeout=15, message="another rank to take the address over")
-    assert healthz(port)["owner"]["pid"] == other.pid
+    wait_until(other.serving, timeout=START_DEADLINE_S, message="another rank to take the address over")
+    owner = healthz(port)["owner"]
+    assert owner["started_by"] == other.pid, owner
     other.kill()
+    if serve_mode == "helper":
+        kill_server(owner["server_pid"])  # (the rank's death moved nothing: its server's does)
     assert ask("lift", timeout=40)["serving"] is True  # the limit gone, the starved rank serves
     doc = healthz(port)
-    assert doc["owner"]["pid"] == child.pid and doc["owner"]["election"] == "flock", doc["owner"]
+    assert doc["owner"]["started_by"] == child.pid and doc["owner"]["election"] == "flock", doc["owner"]
     assert not [w for w in doc["warnings"] if w["kind"] == "unusable-lock"], doc["warnings"]
     child.send("exit")
     child.proc.wait(timeout=30)
     log = child.stderr_text()
-    warnings = [line for line in log.splitlines() if line.startswith("WARNING")]
-    assert len(warnings) == 1 and "cannot serve" in warnings[0], log
-    assert ("can't start new thread" if limit == "threads" else "Too many open files") in warnings[0], warnings
+    assert len(warnings()) == 1 and "cannot serve" in warnings()[0], log
+    assert ("can't start new thread" if limit == "threads" else "Too many open files") in warnings()[0], log
     assert "the port Too many" not in log and "unusable" not in log and "Traceback" not in log, log
 
 
@@ -266,6 +309,24 @@ SIGNALLED_TAKEOVERS = """
             handled[0] += 1
 
     signal.signal(signal.SIGTERM, on_term)
+    helper = os.environ.get("NIXL_PROMETHEUS_MP_SERVE", "helper") == "helper"
+    killed = [0]
+
+    def kill_the_server():
+        # An address server outlives the ranks' closes: its death (an OOM kill, say) is what a standby takes over.
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", int(os.environ["NIXL_TELEMETRY_PROMETHEUS_PORT"]), timeout=10)
+        try:
+            conn.request("GET", "/healthz")
+            pid = json.loads(conn.getresponse().read())["owner"]["server_pid"]
+        except OSError:
+            return  # none serves right now (a start that failed): the next round's Exporters start one
+        finally:
+            conn.close()
+        if pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+            killed[0] += 1
+
     # SIGTERMs from another process (a thread of ours would wait for the GIL and always land between calls),
     # every few tens of microseconds; it exits when we do.
     import subprocess
@@ -277,6 +338,8 @@ SIGNALLED_TAKEOVERS = """
         writers = [Exporter(f"writer-{i}") for i in range(10)]  # each loses to the owner
         time.sleep(0.25)  # past the writers' re-election period: their next export re-runs the election
         owner.close()
+        if helper:
+            kill_the_server()
         for writer in writers:  # each takes the address over in turn ...
             current[0] = writer  # ... while SIGTERMs land
             end = time.monotonic() + 2
@@ -287,36 +350,33 @@ SIGNALLED_TAKEOVERS = """
             done += 1
     pelter.kill()
     pelter.wait()
-    # The last writer's close may have left the address to its helper, which serves the job's last values once
-    # (its supervisor thread forwards its logs until it goes): take them as Prometheus would, then the helper
-    # and every thread of ours must go.
-    import http.client
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", int(os.environ["NIXL_TELEMETRY_PROMETHEUS_PORT"]), timeout=5)
-        conn.request("GET", "/metrics")
-        conn.getresponse().read()
-        conn.close()
-    except OSError:
-        pass  # nothing lingers
-    end = time.monotonic() + 5
+    # Every Exporter is closed: no thread of ours serves (from this process) nor carries an address server's
+    # records any more.
+    end = time.monotonic() + 10
     while time.monotonic() < end:
-        serving_threads = [t.name for t in threading.enumerate() if t.name.startswith("nixl-metrics")]
-        if not serving_threads:
+        serving = [t.name for t in threading.enumerate() if t.name.startswith(("nixl-metrics", "nixl-server-log"))]
+        if not serving:
             break
         time.sleep(0.05)
-    say(iterations=done, handled=handled[0], threads=serving_threads)
+    say(iterations=done, handled=handled[0], threads=serving, servers_killed=killed[0])
 """
 
 
 @pytest.mark.timeout(120)
-def test_close_from_a_signal_handler_during_takeovers_never_hangs(tmp_dir):
+def test_close_from_a_signal_handler_during_takeovers_never_hangs(tmp_dir, serve_mode):
     port = free_port()
-    result, stderr = run_child(SIGNALLED_TAKEOVERS.replace("PELTER", repr(PELTER)), rank_env(tmp_dir, port),
-                               timeout=90, args=("400", "15"))  # (15 s per serving mode)
-    assert result["iterations"] >= 100 and result["handled"] >= 100, result
+    # With address servers: each round's server is SIGKILLed once its owner closed, and the writers' standby starts
+    # the next one while the SIGTERMs land.  TTL 0: the last one goes once nothing is live.
+    env = rank_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")
+    result, stderr = run_child(SIGNALLED_TAKEOVERS.replace("PELTER", repr(PELTER)), env, timeout=90,
+                               args=("400", "15"))  # (15 s per serving mode)
+    # Coverage, not speed: each round with address servers starts interpreters (a loaded machine runs fewer).
+    rounds = 100 if serve_mode == "thread" else 20
+    assert result["iterations"] >= rounds and result["handled"] >= rounds, result
+    assert serve_mode == "thread" or result["servers_killed"] >= 10, result  # (each one started by a takeover)
     assert result["threads"] == [], result
     assert "Traceback" not in stderr, stderr
-    assert can_bind(port) and lock_is_free(tmp_dir / lock_file_name(f"127.0.0.1:{port}"))
+    address_given_up(tmp_dir, port)
 
 
 EXIT_DURING_TAKEOVERS = """
@@ -340,11 +400,12 @@ EXIT_DURING_TAKEOVERS = """
 @pytest.mark.timeout(120)
 def test_exit_while_another_thread_takes_over_is_prompt(tmp_dir):
     port = free_port()
+    env = rank_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")  # (an address server goes with the last store)
     for delay in ("0.05", "0.2", "0.35", "0.5", "0.8"):
-        result, stderr = run_child(EXIT_DURING_TAKEOVERS, rank_env(tmp_dir, port), timeout=20, args=(delay,))
+        result, stderr = run_child(EXIT_DURING_TAKEOVERS, env, timeout=20, args=(delay,))
         assert result == {"exiting": True}
         assert "Traceback" not in stderr, stderr
-        assert can_bind(port)
+        address_given_up(tmp_dir, port)
 
 
 # -- item: EMFILE on accept backs off, and the endpoint answers again once descriptors return ----------------
@@ -385,7 +446,7 @@ ACCEPT_STARVED = """
 @pytest.mark.timeout(120)
 def test_accept_without_descriptors_backs_off_and_recovers(tmp_dir, serve_mode):
     if serve_mode == "helper":
-        pytest.skip("a thread of the rank accepts here; a helper out of descriptors: test_serving_helper.py")
+        pytest.skip("a thread of the rank accepts here; an address server out of descriptors: test_serving_helper.py")
     port = free_port()
     result, stderr = run_child(ACCEPT_STARVED, rank_env(tmp_dir, port), timeout=60, args=(str(port),))
     # A spinning accept loop burns the whole window (about 2 s) of CPU; backing off costs a few ticks.
@@ -417,7 +478,9 @@ THREADLESS_CONNECTION = """
 
 
 @pytest.mark.timeout(60)
-def test_connection_without_a_thread_is_refused_and_the_endpoint_stays_up(tmp_dir):
+def test_connection_without_a_thread_is_refused_and_the_endpoint_stays_up(tmp_dir, serve_mode):
+    if serve_mode == "helper":
+        pytest.skip("the rank's own threads serve here; an address server's connections are its own process's")
     port = free_port()
     result, stderr = run_child(THREADLESS_CONNECTION, rank_env(tmp_dir, port), timeout=45, args=(str(port),))
     assert [line.split(" ", 1)[1] for line in result["starved"]] == ["503 Service Unavailable"] * 2, result
@@ -434,7 +497,7 @@ def fd_count() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_dropped_exporter_is_released_like_close(tmp_dir, lock_probe):
+def test_dropped_exporter_is_released_like_close(tmp_dir, tmp_path, lock_probe):
     port, solo_port = free_port(), free_port()
     env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")
     with Exporter("owner", env) as owner:
@@ -453,36 +516,41 @@ def test_dropped_exporter_is_released_like_close(tmp_dir, lock_probe):
         class Agent:  # the usual case: the exporter is owned by an object caught in a reference cycle
             pass
 
+        # Alone in its directory, TTL 0: once its rank let go, nothing there is live, so even an address server (the
+        # job's, which outlives a close()) gives the address up at once.
+        solo_dir = tmp_path / "solo"
         agent = Agent()
         agent.me = agent  # type: ignore[attr-defined]
-        agent.exporter = Exporter("dropped-owner", exporter_env(tmp_dir, solo_port))  # type: ignore[attr-defined]
+        agent.exporter = Exporter("dropped-owner", exporter_env(solo_dir, solo_port,  # type: ignore[attr-defined]
+                                                                NIXL_TELEMETRY_MP_STALE_TTL="0"))
         assert agent.exporter.serving  # type: ignore[attr-defined]
         solo_store = agent.exporter.store_path  # type: ignore[attr-defined]
         wait_for_metrics(solo_port)
         del agent
         gc.collect()
-        # Its helper, left the address, goes at once for the live writer of the directory (app.rank.linger).
-        wait_until(lambda: can_bind(solo_port), timeout=5, message="the dropped owner's port to be free")
-        assert lock_is_free(tmp_dir / lock_file_name(f"127.0.0.1:{solo_port}")), "... and its election"
-        assert lock_probe(solo_store), "... and its store"
+        address_given_up(solo_dir, solo_port)  # ... its port and its election
+        assert not solo_store.exists() or lock_probe(solo_store), "... and its store"  # (or reaped: not held)
         # What stays is the dropped writer's standby, parked in flock() until the owner goes (a blocked flock
-        # cannot be woken without a signal handler of ours): one thread, one descriptor, holding nothing.
+        # cannot be woken without a signal handler of ours): one thread, one descriptor, holding nothing.  (An
+        # owner that handed the address to a server stands by for that server itself: the writer shared it.)
         def ours_left() -> list[str]:
             return [t.name for t in threading.enumerate() if t.ident not in baseline_threads]
 
         parked = f"nixl-standby-{lock_file_name(f'127.0.0.1:{port}')}"
-        wait_until(lambda: set(ours_left()) <= {parked}, timeout=10,
-                   message="the dropped owner's threads to end")
-        assert fd_count() <= baseline_fds + 1
+        wait_until(lambda: set(ours_left()) <= {parked}, message="the dropped owner's threads to end")
+        assert fd_count() <= baseline_fds + len(ours_left())
         assert owner.serving
-    wait_until(lambda: ours_left() == [], timeout=10, message="the parked standby to end with the owner")
+    address_given_up(tmp_dir, port)
+    wait_until(lambda: ours_left() == [], message="the parked standby to end with the owner")
 
 
 # -- item: close() joins the scrape threads ------------------------------------------------------------------
 
 
 @pytest.mark.timeout(60)
-def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir):
+def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir, serve_mode):
+    if serve_mode == "helper":
+        pytest.skip("the rank's own threads serve here; an address server's connections are its own process's")
     port = free_port()
     before = {t.ident for t in threading.enumerate()}
     exp = Exporter("closing", exporter_env(tmp_dir, port))
@@ -517,46 +585,105 @@ def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir):
 # -- item: the owner notices its directory was removed and recreated ----------------------------------------
 
 
+@contextlib.contextmanager
+def recording(exp: Exporter, serve_mode: str) -> Iterator[None]:
+    """With an address server, ``exp`` records at 20 Hz meanwhile, as a job's ranks do (its store, gone with the
+    directory, is back at its next export; an idle rank's is not, and a server finding nothing to publish goes)."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.05):
+            exp.export_event(EventType.AGENT_TX_BYTES, 1)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    if serve_mode == "helper":
+        ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if ticker.is_alive():
+            ticker.join(DEADLINE_S)
+
+
 @pytest.mark.timeout(90)
-def test_replaced_directory_is_reported_and_reelected(tmp_dir, reaper):  # noqa: F811
+def test_replaced_directory_is_reported_and_reelected(tmp_dir, reaper, serve_mode, caplog):  # noqa: F811
+    """Serving from a thread, the owner notices at its next scrape, says so in /healthz and its log, and re-elects
+    itself on the new lock file: a rank started in the new directory loses.  An address server serves the
+    directory at its path (the rank's store is back there at its next export) until a rank of the new directory,
+    elected on the new lock file, asks it for the port: it then gives the port up to that rank, saying why."""
     port = free_port()
     lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
-    with Exporter("first", exporter_env(tmp_dir, port)) as owner:
+    caplog.set_level(logging.INFO, logger="nixl_prometheus_mp")  # (an address server logs at its rank's level)
+    with Exporter("first", exporter_env(tmp_dir, port)) as owner, recording(owner, serve_mode):
         assert owner.serving
-        assert healthz(port)["warnings"] == []
+        doc = healthz(port)
+        assert doc["warnings"] == []
+        first_server = doc["owner"]["server_pid"]
         shutil.rmtree(tmp_dir)
         tmp_dir.mkdir(mode=0o700)
-        # Serving from a thread, the owner notices at this scrape; with a helper, at its supervisor's next check.
-        doc = wait_until(lambda: (d := healthz(port))["warnings"] and d, timeout=5, message="the replaced warning")
-        assert [w["kind"] for w in doc["warnings"]] == ["directory-replaced"], doc["warnings"]
-        assert str(tmp_dir) in doc["warnings"][0]["message"]
-        assert not lock_is_free(lock), "the owner did not elect itself on the new lock file"
+        if serve_mode == "thread":
+            doc = wait_until(lambda: (d := healthz(port))["warnings"] and d, message="the replaced warning")
+            assert [w["kind"] for w in doc["warnings"]] == ["directory-replaced"], doc["warnings"]
+            assert str(tmp_dir) in doc["warnings"][0]["message"]
+            assert not lock_is_free(lock), "the owner did not elect itself on the new lock file"
+            late = start_exporter_rank(reaper, tmp_dir, port, agent="late", tick_hz=20, log_level="INFO")
+            assert not late.serving_at_start and not late.serving()
+            assert "cannot bind" not in late.stderr()  # it lost the new election: no contradictory warning
+            assert owner.serving and healthz(port)["owner"]["pid"] == os.getpid()
+            return
+        wait_until(lambda: owner.store_path.exists(), message="the owner's store back at its next export")
+        assert [r["pid"] for r in healthz(port)["live"]] == [os.getpid()]  # the same server, the new directory
+        assert healthz(port)["owner"]["server_pid"] == first_server and owner.serving
         late = start_exporter_rank(reaper, tmp_dir, port, agent="late", tick_hz=20, log_level="INFO")
-        assert not late.serving_at_start and not late.serving()
-        assert "cannot bind" not in late.stderr()  # it lost the new election: no contradictory warning
-        assert owner.serving and healthz(port)["owner"]["pid"] == os.getpid()
+        assert late.serving_at_start  # (the port was given up within the second it waits for that)
+        doc = healthz(port)["owner"]
+        assert doc["started_by"] == late.pid and doc["server_pid"] != first_server, doc
+        assert not lock_is_free(lock)
+        assert any("removed and recreated" in r.getMessage() and f"pid {first_server}" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        assert "cannot bind" not in late.stderr()
+        wait_until(lambda: not owner.serving, message="the owner seeing the old directory's server gone")
 
 
 @pytest.mark.timeout(90)
-def test_rank_started_in_the_replaced_directory_never_makes_a_second_owner(tmp_dir, reaper):  # noqa: F811
-    """The new rank wins the new lock file before the owner checks, cannot bind, and gives it back; the owner
-    re-elects itself on it at its next scrape; the new rank, retrying, loses: one owner throughout."""
+def test_rank_started_in_the_replaced_directory_never_makes_a_second_owner(tmp_dir, reaper, serve_mode):  # noqa: F811
+    """Serving from a thread: the new rank wins the new lock file before the owner checks, cannot bind, and gives
+    it back; the owner re-elects itself on it at its next scrape; the new rank, retrying, loses.  With an address
+    server: the new rank, elected on the new lock file, gets the port from the old directory's server and starts
+    the new directory's; the owner's standby loses to it.  One owner throughout."""
     port = free_port()
     lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
-    with Exporter("first", exporter_env(tmp_dir, port)) as owner:
+    with Exporter("first", exporter_env(tmp_dir, port)) as owner, recording(owner, serve_mode):
         assert owner.serving
+        first_server = healthz(port)["owner"]["server_pid"]
         shutil.rmtree(tmp_dir)
         tmp_dir.mkdir(mode=0o700)
         late = start_exporter_rank(reaper, tmp_dir, port, agent="late", tick_hz=20)
-        assert not late.serving_at_start
-        assert healthz(port)["owner"]["pid"] == os.getpid()
-        # Serving from a thread, the owner re-elects at that scrape; with a helper (whose scrapes never take the
-        # rank's GIL), at its supervisor's next check, within a second.
-        wait_until(lambda: not lock_is_free(lock), 3.0, message="the owner holding the new lock file")
-        deadline = time.monotonic() + 7  # past the late rank's retry after its failed bind (5 s)
+        if serve_mode == "thread":
+            assert not late.serving_at_start
+            assert healthz(port)["owner"]["pid"] == os.getpid()
+            # Serving from a thread, the owner re-elects at that scrape.
+            wait_until(lambda: not lock_is_free(lock), message="the owner holding the new lock file")
+            server, starter = os.getpid(), os.getpid()
+
+            def one_owner() -> bool:
+                return owner.serving and not late.serving()
+        else:
+            assert late.serving_at_start
+            doc = healthz(port)["owner"]
+            server, starter = doc["server_pid"], doc["started_by"]
+            assert starter == late.pid and server != first_server, doc
+
+            def one_owner() -> bool:
+                return late.serving() and not owner.serving
+
+            wait_until(one_owner, message="the owner seeing the old directory's server gone")
+        deadline = time.monotonic() + 7  # past a retry after a failed bind (5 s)
         while time.monotonic() < deadline:
-            assert not late.serving()
-            assert owner.serving and healthz(port)["owner"]["pid"] == os.getpid()
+            assert one_owner()
+            doc = healthz(port)["owner"]
+            assert (doc["server_pid"], doc["started_by"]) == (server, starter), doc
             time.sleep(0.2)
 
 

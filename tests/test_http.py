@@ -1,7 +1,9 @@
 """The HTTP side: /metrics negotiation and gzip, methods and paths, the landing page, /healthz's fields, 503 on a
 lost directory.
 
-Served for real: an in-process Exporter binds a free port on 127.0.0.1 and the tests talk to it with urllib.
+Served for real: an in-process Exporter binds a free port on 127.0.0.1 and hands it to its address server (or, in
+the tests that take the serve_mode fixture, also serves it from a thread of its own); the tests talk to it with
+urllib.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ def test_head_answers_like_get_without_a_body(served, path) -> None:
         assert zipped.status == 200 and zipped.body == b"" and zipped.headers["content-encoding"] == "gzip"
 
 
-def test_healthz_reports_every_field(tmp_dir: Path, make_exporter, make_identity) -> None:
+def test_healthz_reports_every_field(tmp_dir: Path, make_exporter, make_identity, serve_mode: str) -> None:
     tmp_dir.chmod(0o770)  # -> a directory-permissions warning
     departed = StoreWriter(tmp_dir, make_identity(agent_name="gone", instance=77, hostname="host-b"))
     departed.record(E.AGENT_TX_BYTES, 1)
@@ -228,7 +230,16 @@ def test_healthz_reports_every_field(tmp_dir: Path, make_exporter, make_identity
     assert doc["status"] == "ok" and "reason" not in doc
 
     owner = doc["owner"]
-    assert owner["pid"] == os.getpid()
+    assert set(owner) == {"pid", "hostname", "agent_name", "address", "mode", "election", "serving_since",
+                          "server_pid", "serving", "started_by", "log_file"}, owner
+    if serve_mode == "helper":  # the address server this rank started answers, and names it
+        assert owner["pid"] == owner["server_pid"] != os.getpid()
+        assert owner["serving"] == "helper"
+    else:
+        assert owner["pid"] == owner["server_pid"] == os.getpid()
+        assert owner["serving"] == "thread"
+    assert owner["started_by"] == os.getpid()
+    assert owner["log_file"] is None  # (an address server's records go to the rank that started it while it lives)
     assert owner["hostname"] == socket.gethostname()
     assert owner["agent_name"] == "owner-agent"
     assert owner["address"] == f"127.0.0.1:{port}"
@@ -269,7 +280,7 @@ def test_healthz_reports_every_field(tmp_dir: Path, make_exporter, make_identity
     assert kinds["foreign-store"]["details"] == {"file": str(planted)}
 
 
-def test_healthz_503_over_http_when_the_directory_is_gone(tmp_path: Path, make_exporter) -> None:
+def test_healthz_503_over_http_when_the_directory_is_gone(tmp_path: Path, make_exporter, serve_mode: str) -> None:
     directory = tmp_path / "run"
     port = free_port()
     exp = make_exporter("lost", exporter_env(directory, port))
@@ -279,7 +290,8 @@ def test_healthz_503_over_http_when_the_directory_is_gone(tmp_path: Path, make_e
     assert response.status == 503
     doc = response.json()
     assert doc["status"] == "unavailable" and str(directory) in doc["reason"]
-    assert doc["owner"]["pid"] == os.getpid() and doc["live"] == [] and doc["stale"] == []
+    assert doc["owner"]["started_by"] == os.getpid() and doc["owner"]["serving"] == serve_mode
+    assert doc["live"] == [] and doc["stale"] == []
     metrics = http_get(metrics_url(port))
     assert metrics.status == 200 and metrics.body == b""  # an empty exposition, not an error
 

@@ -1,5 +1,9 @@
 """Nothing recorded is lost: N processes x M threads x K events, the owner SIGKILLed mid-run, a takeover and a
-forked child recording on its own; the scrape publishes exactly what each process recorded."""
+forked child recording on its own; the scrape publishes exactly what each process recorded.
+
+Both ways of serving.  From a thread, the owner is the serving rank, and its death is the takeover.  With an
+address server, the rank that started it is killed (its death moves nothing: its values stay published as
+departed) and so is its server, whose death is the takeover: a standby rank starts the next one."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import signal
 
 import pytest
 from support import (
+    START_DEADLINE_S,
     free_port,
     healthz,
     parse_exposition,
@@ -25,13 +30,14 @@ RANKS, THREADS, K = 4, 4, 2000  # two phases of K: 4 x 4 x 4000 iterations (each
 
 
 @pytest.mark.timeout(180)
-def test_scrape_totals_equal_recorded_totals_across_owner_kill_and_fork(tmp_dir, reaper):
+def test_scrape_totals_equal_recorded_totals_across_owner_kill_and_fork(tmp_dir, reaper, serve_mode):
     port = free_port()
     ranks = start_workload_ranks(reaper, RANKS, tmp_dir, port, {"NIXL_TELEMETRY_MP_STALE_TTL": "3600"})
     owners = [r for r in ranks if r.serving_at_start]
     assert len(owners) == 1, [(r.pid, r.serving_at_start) for r in ranks]
     owner = owners[0]
     others = [r for r in ranks if r is not owner]
+    server = healthz(port)["owner"]["server_pid"]  # (thread mode: the owner itself)
 
     # Phase 1: everyone, the owner included, records K iterations per thread.
     for n, rank in enumerate(ranks):
@@ -47,6 +53,9 @@ def test_scrape_totals_equal_recorded_totals_across_owner_kill_and_fork(tmp_dir,
         rank.send("run", threads=THREADS, k=K, seed=100 + n, tag=20 + n, fork_k=K if n == 0 else 0)
     os.kill(owner.pid, signal.SIGKILL)
     owner.process.proc.wait(timeout=10)
+    if serve_mode == "helper":
+        assert server != owner.pid
+        os.kill(server, signal.SIGKILL)
     child = None
     for n, rank in enumerate(others):
         answer = rank.answer()
@@ -63,9 +72,9 @@ def test_scrape_totals_equal_recorded_totals_across_owner_kill_and_fork(tmp_dir,
         rank.send("trickle", hz=100)
     for rank in others:
         assert rank.answer()["trickling"]
-    new_owner = wait_until(lambda: healthz(port, timeout=2)["owner"]["pid"], timeout=15,
-                           message="a surviving rank serving the address")
-    assert new_owner in {r.pid for r in others}
+    new_owner = wait_until(lambda: (doc := healthz(port, timeout=2)["owner"])["server_pid"] != server and doc,
+                           timeout=START_DEADLINE_S, message="a surviving rank serving the address")
+    assert new_owner["started_by"] in {r.pid for r in others}, new_owner
     for rank in others:
         rank.send("untrickle")
     for rank in others:

@@ -60,11 +60,12 @@ def check_scrape(samples: dict) -> list[str]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("serve_mode")  # read by an address server, or by a rank recording at full speed itself
 def test_concurrent_scrapes_see_monotonic_counters_and_consistent_histograms(tmp_dir, reaper):
     port = free_port()
     ranks = start_workload_ranks(reaper, 2, tmp_dir, port)
     assert sum(r.serving_at_start for r in ranks) == 1
-    for rank in ranks:  # the owner records at full speed too, beside the server threads
+    for rank in ranks:  # the owner records at full speed too (serving from a thread: beside its server threads)
         assert rank.command("spin", threads=2)["spinning"]
 
     stop = threading.Event()

@@ -397,7 +397,11 @@ def test_links_to_outside_files_are_never_followed_nor_written(tmp_dir, outside,
     hard = tmp_dir / "nixl.12.1.0.mmap"
     os.link(outside, hard)  # same inode: reading it is reading the outside file
     before = fingerprint(outside)
-    with Exporter("good", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0")):
+    # Served from a thread of this process, whose scrapes are the only collections: an address server also looks
+    # at the directory on its own, and two collections at once can show a store that one of them is reaping as
+    # live to the other (an open bug of the collector's, not of the links' handling).
+    env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0", NIXL_PROMETHEUS_MP_SERVE="thread")
+    with Exporter("good", env):
         for _ in range(2):
             samples = parse_exposition(scrape(port))
             assert {v for _, labels in samples for k, v in labels if k == "agent_name"} == {"good"}

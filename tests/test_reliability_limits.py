@@ -10,11 +10,11 @@ import logging
 import os
 import signal
 import textwrap
-import time
 import types
 
 import pytest
 from support import (
+    DEADLINE_S,
     exporter_env,
     free_port,
     healthz,
@@ -55,10 +55,11 @@ FORKING_RANK = textwrap.dedent("""
 
 
 @pytest.mark.timeout(60)
-def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, reaper):
+def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, reaper, serve_mode):
     """Our fork handling closes the inherited store and lock descriptors in the child, so (unlike the C++
     plug-in's wording) a child that only forks does NOT keep its parent's store looking live: once the parent
-    dies its store is departed and its address free, while the child still runs."""
+    dies its store is departed and its address free, while the child still runs.  (With an address server the
+    address is the server's, which outlives the parent: once that server goes too, the election is free.)"""
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0  # the orphaned child is ours to reap
     port = free_port()
@@ -70,13 +71,19 @@ def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, r
         assert info["serving"]
         lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
         assert writer_alive(info["store"]) and not lock_is_free(lock)
+        server = healthz(port)["owner"]["server_pid"]
         rank.kill()
         assert os.path.exists(f"/proc/{child}")  # the child lives on...
-        # ... without holding the parent's store, nor its election. (Bounded waits, not at once: the parent's
-        # serving helper shares the lock until it exits with the parent, and a helper still being spawned
-        # when the parent died shares the parent's memory, store mapping included, until its exec.)
-        wait_until(lambda: not writer_alive(info["store"]), 2.0, message="the dead parent's store released")
-        wait_until(lambda: lock_is_free(lock), 2.0, message="the dead parent's election released")
+        # ... without holding the parent's store (bounded waits, not at once: a server still being launched when
+        # the parent died shares the parent's memory, store mapping included, until its exec) ...
+        wait_until(lambda: not writer_alive(info["store"]), message="the dead parent's store released")
+        if serve_mode == "helper":
+            # ... nor its election: the address server the parent started holds it (the job's: the parent's death
+            # moves nothing) until it goes; an operator's SIGTERM makes it go at once.
+            assert server != rank.pid and not lock_is_free(lock)
+            assert [r["pid"] for r in healthz(port)["stale"]] == [info["pid"]]
+            os.kill(server, signal.SIGTERM)
+        wait_until(lambda: lock_is_free(lock), message="the dead parent's election released")
         with Exporter("next", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="3600")) as nxt:
             assert nxt.serving
             stale = healthz(port)["stale"]
@@ -89,14 +96,21 @@ def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, r
 
 
 @pytest.mark.timeout(60)
-def test_an_idle_writer_takes_over_without_exporting(tmp_dir, reaper):
-    """NIXL's C++ plug-in re-elects only as it exports (an idle run stays down); a standby waits in the kernel."""
+def test_an_idle_writer_takes_over_without_exporting(tmp_dir, reaper, serve_mode):
+    """NIXL's C++ plug-in re-elects only as it exports (an idle run stays down); a standby waits in the kernel.
+    What it waits for is the holder's death: the serving rank's in thread mode, the address server's otherwise
+    (killed here with the rank that started it, which would otherwise start the next one)."""
     port = free_port()
     owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
     idle = start_exporter_rank(reaper, tmp_dir, port, agent="idle")
     assert owner.serving_at_start and not idle.serving_at_start
+    server = healthz(port)["owner"]["server_pid"]
     owner.kill()
-    wait_until(idle.serving, timeout=10, message="the idle writer to take over")
+    if serve_mode == "helper":
+        assert healthz(port)["owner"]["server_pid"] == server  # the rank's death moved nothing
+        os.kill(server, signal.SIGKILL)
+    wait_until(idle.serving, timeout=DEADLINE_S, message="the idle writer to take over")
+    assert healthz(port)["owner"]["started_by"] == idle.pid
     assert "agent_tx_bytes_total" in scrape(port)
 
 
@@ -145,7 +159,8 @@ def test_filesystem_without_flock(tmp_dir, monkeypatch, caplog):
     monkeypatch.setattr(election.lock, "fcntl", fake)
     caplog.set_level(logging.WARNING)
     port = free_port()
-    env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0.5")
+    # Served from a thread of this process: flock fails only where it is patched, in this process.
+    env = exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0.5", NIXL_PROMETHEUS_MP_SERVE="thread")
 
     def agents() -> set[str]:
         return {v for _, labels in parse_exposition(scrape(port)) for k, v in labels if k == "agent_name"}
@@ -157,8 +172,9 @@ def test_filesystem_without_flock(tmp_dir, monkeypatch, caplog):
         assert "could not flock the telemetry store" in messages and "bind decides" in messages
         second.export_event(EventType.AGENT_RX_BYTES, 7)
         assert "second" in agents()
-        time.sleep(0.6)  # idle past the TTL: nothing tells the collector that this writer still runs
-        assert "second" not in agents() and not second.store_path.exists()
+        # Idle past the TTL: nothing tells the collector that this writer still runs.
+        wait_until(lambda: "second" not in agents(), message="the idle writer's store reaped after the TTL")
+        assert not second.store_path.exists()
         # Past its re-election deadline, the writer notices its store was unlinked and recreates it, values
         # included: no error, and the rank is published again (the reaping cost a gap, not the data).
         second.export_event(EventType.AGENT_RX_BYTES, 7)

@@ -27,6 +27,7 @@ frees, whichever rank wins next takes the address over.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -42,7 +43,7 @@ from typing import Any
 
 from app.channel import ServerArgs
 from app.health import WarningDoc, owner_doc, replaced_warning
-from app.probe import get_healthz, is_address_server
+from app.probe import is_address_server, listening_pids
 from app.rank import standby
 from app.rank.carrier import Carrier
 from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
@@ -88,8 +89,11 @@ class ScrapeEndpoint:
     """
 
     def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp, spec: ServerSpec | None,
-                 on_watch: Callable[[], None]) -> None:
+                 on_watch: Callable[[], None], has_store: Callable[[], bool] = lambda: True) -> None:
         self.election, self.host, self.port, self.app = election, host, port, app
+        # Whether this rank's store is on disk: one whose directory was replaced has none until it records again,
+        # and a server started for a directory with nothing to publish would exit at once (and again, and again).
+        self._has_store = has_store
         # None: thread mode (asked for, or no address server can run here: said once, when it matters).
         self.spec = spec
         self._no_server = None if spec is None else helper_unusable()
@@ -122,6 +126,11 @@ class ScrapeEndpoint:
     def lock_path(self) -> Path:
         """(standby.Standing) The lock file this endpoint elects on."""
         return self.election.path
+
+    @property
+    def closed(self) -> bool:
+        """(standby.Standing) close() ran: never offered the lock again."""
+        return self._closed
 
     @property
     def stands_by_after_takeover(self) -> bool:
@@ -189,6 +198,9 @@ class ScrapeEndpoint:
         the lock held (nobody could start one sooner); elsewhere (the export path) the lock is given back.
         """
         if self.spec is not None and self._no_server is None:
+            if not self._has_store():  # nothing of ours to publish yet: the export path recreates it, then elects
+                self.election.release()
+                return TakeOver(Claim.LOST)
             wait_s = (self._retry_at_ns - time.monotonic_ns()) / 1e9
             if wait_s > 0 and (not wait_backoff or self._closing.wait(wait_s)):
                 self.election.release()
@@ -220,20 +232,19 @@ class ScrapeEndpoint:
                 time.sleep(_BUSY_PORT_RETRY_S)
 
     def _ask_to_yield(self) -> bool:
-        """The port is held: if by the address server of another run (or of this directory before it was
-        replaced), ask it to give the port up; it does at once unless it has live ranks.  Whether we asked."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
-        owner = get_healthz(host, self.port, timeout_s=0.5).owner
-        pid = None if owner is None else owner.get("server_pid")
-        if owner is None or owner.get("serving") != "helper" or not isinstance(pid, int) or pid == os.getpid():
-            return False
-        if not is_address_server(pid):
-            return False
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except OSError:
-            return False  # gone, or another user's: the bind's failure is warned about as usual
-        return True
+        """The port is held: if by an address server (of another run, or of this directory before it was
+        replaced), ask it to give the port up; it does at once unless it has live ranks.  Whether we asked.
+
+        Found through /proc, not by asking its /healthz: an owner answering /healthz looks at the election
+        (duplicate owners, a replaced lock file), and would see ours, held for this moment only.
+        """
+        asked = False
+        for pid in listening_pids(self.port):
+            if pid != os.getpid() and is_address_server(pid):
+                with contextlib.suppress(OSError):  # gone, or another user's: the bind's failure is warned as usual
+                    os.kill(pid, signal.SIGUSR1)
+                    asked = True
+        return asked
 
     def _start_server(self, listener: socket.socket) -> TakeOver:
         assert self.spec is not None
@@ -373,8 +384,8 @@ class ScrapeEndpoint:
         if server is not None:
             server.stop()
         if listener is not None:
-            close_listener(listener)
-            self.election.release()
+            close_listener(listener)  # the port first: a standby that wins the lock must find it free
+        self.election.release()  # (a writer's too: the descriptor its lost elections probe with)
 
     def _after_fork_in_child(self) -> None:
         """A forked child never serves the parent's socket nor holds its election (nor stands by: app.standby).

@@ -65,7 +65,7 @@ def _next_instance() -> int:
         return next(_instances)
 
 
-def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, OwnerWatch]:
+def _start_endpoint(config: Config, agent_name: str, writer: StoreWriter) -> tuple[ScrapeEndpoint, OwnerWatch]:
     """The endpoint (not yet claimed) and the duplicate-owner watch of one Exporter.
 
     Nothing built here may refer to the Exporter: its finalizer keeps the endpoint alive.
@@ -84,7 +84,8 @@ def _start_endpoint(config: Config, agent_name: str) -> tuple[ScrapeEndpoint, Ow
                      on_scrape=lambda: endpoint.watch())
     spec = None if config.serve == "thread" else ServerSpec(config.directory, config.stale_ttl_s, config.address,
                                                             agent_name)
-    endpoint = ScrapeEndpoint(election, config.host, config.port, app, spec, on_watch=owners.poll)
+    endpoint = ScrapeEndpoint(election, config.host, config.port, app, spec, on_watch=owners.poll,
+                              has_store=lambda: writer.path.exists())
     return endpoint, owners
 
 
@@ -141,7 +142,7 @@ class Exporter(Recording):
         self._closed = False
         self._reclaim_failed = False
         try:
-            self._endpoint, self._owners = _start_endpoint(config, agent_name)
+            self._endpoint, self._owners = _start_endpoint(config, agent_name, self._writer)
         except BaseException:
             self._writer.close()  # never leave a locked store behind a failed constructor
             raise

@@ -41,6 +41,10 @@ class Standing(Protocol):
         """The lock file it lost on."""
 
     @property
+    def closed(self) -> bool:
+        """Whether it was closed (it is never offered the lock then)."""
+
+    @property
     def stands_by_after_takeover(self) -> bool:
         """Whether it stands by again once it took the address over (it handed the lock to a server)."""
 
@@ -56,6 +60,8 @@ _failed_at: dict[Path, float] = {}
 
 def stand_by(endpoint: Standing) -> None:
     """Have ``endpoint`` offered the lock the moment its holder is gone (idempotent, cheap when standing)."""
+    if endpoint.closed:  # (a close() in a signal handler during this endpoint's claim, or another agent's)
+        return
     if not _lock.acquire(timeout=_LOCK_WAIT_S):
         return  # the export path's election still runs: the next one stands by
     try:
@@ -102,6 +108,7 @@ def stand_down(endpoint: Standing) -> None:
 def _offer(waiter: LockWaiter) -> None:
     """(On the waiter's thread, the lock held.)  Each endpoint standing by for it, until one takes it."""
     with _lock:
+        _standing[:] = [e for e in _standing if not e.closed]  # closed since they stood by: never offered it
         candidates = [e for e in _standing if e.lock_path == waiter.path]
     for endpoint in candidates:
         if waiter.detached:
