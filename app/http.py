@@ -7,13 +7,14 @@ WSGIRequestHandler builds the WSGI environ; what is ours is what happens around 
 * **Persistent HTTP/1.1 connections.**  werkzeug answers every request with ``Connection: close``; Prometheus keeps
   one connection per target.  A connection here serves up to MAX_REQUESTS requests, waits at most IDLE_S for the
   next one, and is closed at once (rather than a new one refused) when the server is full; each request still
-  has REQUEST_TIMEOUT_S from its first byte to its answer's last, so a client trickling its request is cut.
+  has REQUEST_TIMEOUT_S from its first byte to its answer's last, so a client trickling its request is cut
+  (app.connections keeps the deadlines).
 * **No linger after the answer.**  werkzeug waits (10 ms) for more of the request to arrive after each answer,
   holding the connection, its thread and the client's EOF for that long; here a request's body is read exactly as
   far as it was declared, and only a body we stopped reading is drained, after the client was told EOF.
 * **One write per answer**: the status line, the headers and the body in one ``sendmsg`` (no copy of the body).
 * **Pooled threads**: a connection is served by an idle thread of the server's when there is one; a few stay
-  idle between connections (SPARE_WORKERS, for SPARE_IDLE_S), and every one ends when the server stops or is
+  idle between connections (app.connections), and every one ends when the server stops or is
   abandoned.
 * **Bounded requests** (the endpoint listens on 0.0.0.0 in someone else's program): a request line of at most
   MAX_REQUEST_LINE bytes (414 beyond), at most MAX_HEADER_FIELDS header fields and MAX_HEADER_BYTES of them
@@ -23,8 +24,8 @@ WSGIRequestHandler builds the WSGI environ; what is ours is what happens around 
   (a bare HTML body), and takes ``Content-Length: ²`` for a number; here a malformed request line is a 400, an
   unknown version a 505, an invalid Content-Length a 400 (RFC 9112), each an HTTP/1.1 answer.
 * **Fair slots**: no peer address holds more than a PEER_SHARE-th of the connections, and when the server is
-  full the busiest peer's longest idle connection goes first (Connections.admit): one host re-opening slow
-  requests cannot starve a Prometheus scraping from another.
+  full the busiest peer's longest idle connection goes first (app.connections.Connections.admit): one host
+  re-opening slow requests cannot starve a Prometheus scraping from another.
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ import contextlib
 import email.utils
 import http.client
 import io
-import queue
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -44,11 +43,9 @@ from typing import Any, cast
 from werkzeug.exceptions import InternalServerError
 from werkzeug.serving import WSGIRequestHandler
 
-REQUEST_TIMEOUT_S = 10.0  # from a request's first byte (a new connection's accept) to the end of its answer
-IDLE_S = 90.0  # a persistent connection waits this long for its next request (Prometheus scrapes every 15-60 s)
+from app.connections import REQUEST_TIMEOUT_S, Connections
+
 MAX_REQUESTS = 1000  # answered on one connection, the last with Connection: close
-SPARE_WORKERS = 2  # pool threads left waiting for the next connection...
-SPARE_IDLE_S = 2.0  # ...for this long at most: an idle process gets back to its own threads
 MAX_DRAIN_BYTES = 1 << 20  # what we read of a request body nobody needs: past it the connection is closed
 _DRAIN_CHUNK = 64 << 10
 _DRAIN_WAIT_S = 0.01  # a body we stopped reading is drained while more of it arrives within this
@@ -57,8 +54,6 @@ _NO_BODY_STATUS = (204, 304)
 MAX_REQUEST_LINE = 8190  # bytes, CRLF included (gunicorn's limit_request_line is 4094; Go's whole head 1 MiB)
 MAX_HEADER_FIELDS = 64
 MAX_HEADER_BYTES = 16 << 10  # every header line, the blank one included, not the request line
-PEER_SHARE = 2  # a peer address holds at most 1/PEER_SHARE of a server's connections (a slowloris under the cap, from
-# the scraper's own address, still leaves it room)
 _HTTP_VERSION = re.compile(r"HTTP/([0-9])\.([0-9])")
 _DIGITS = re.compile(r"[0-9]+")
 _MAX_IOV = 512  # buffers per sendmsg (the kernel takes at most IOV_MAX, 1024 on Linux)
@@ -358,187 +353,3 @@ class _Answer:
         if data:
             self.chunks.append(data)
             self.waiting += len(data)
-
-
-class Connections:
-    """A server's open connections: each one's deadline, which wait between requests, and the threads serving
-    them (a pool).
-
-    ``serve(sock, address)`` serves one connection to its end and closes it (through ``forget``).  All methods
-    are safe from any thread.
-    """
-
-    def __init__(self, name: str, serve: Callable[[socket.socket, Any], None], limit: int,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, idle_s: float = IDLE_S) -> None:
-        self.name = name  # the pool threads' names start with it
-        self._serve = serve
-        self.limit = limit
-        self.request_timeout_s, self.idle_s = request_timeout_s, idle_s
-        self._lock = threading.Lock()
-        self._deadlines: dict[socket.socket, float] = {}  # open connections -> when they are cut (monotonic s)
-        self._idle: dict[socket.socket, None] = {}  # those waiting for their next request, oldest first
-        self._peer: dict[socket.socket, str] = {}  # open connections -> the peer's address
-        self._jobs: queue.SimpleQueue[tuple[socket.socket, Any] | None] = queue.SimpleQueue()
-        self._spare = 0  # pool threads waiting on _jobs
-        self.workers: set[threading.Thread] = set()
-        self.keep_alive = True  # False once the server stops or is abandoned: no connection waits for another request
-
-    def admit(self, sock: socket.socket, peer: str) -> bool:
-        """Register a new connection from ``peer`` (its address); False: it is to be refused (503).
-
-        A peer holds at most a PEER_SHARE-th of the connections: past its share, its own longest idle connection
-        is closed for the new one, and failing that the new one is refused.  A full server closes the longest
-        idle connection of the busiest peer (one that has an idle connection) for the new one, and failing that
-        refuses it.  So a peer that opens connections and keeps them busy (slow requests) takes at most its
-        share, and the others always find a slot.
-        """
-        with self._lock:
-            share = max(1, self.limit // PEER_SHARE)
-            if sum(1 for p in self._peer.values() if p == peer) >= share and not self._evict_idle_of({peer}):
-                return False
-            if len(self._deadlines) >= self.limit:
-                counts: dict[str, int] = {}
-                for p in self._peer.values():
-                    counts[p] = counts.get(p, 0) + 1
-                idle_peers = {self._peer[s] for s in self._idle}
-                busiest = max(idle_peers, key=lambda p: counts.get(p, 0), default=None)
-                if busiest is None or not self._evict_idle_of({busiest}):
-                    return False
-            self._deadlines[sock] = time.monotonic() + self.request_timeout_s
-            self._peer[sock] = peer
-            return True
-
-    def _evict_idle_of(self, peers: set[str]) -> bool:
-        """(Under the lock) close the longest idle connection of one of ``peers``; whether there was one."""
-        oldest = next((s for s in self._idle if self._peer.get(s) in peers), None)
-        if oldest is None:
-            return False
-        self._cut(oldest)
-        del self._idle[oldest], self._deadlines[oldest], self._peer[oldest]  # its thread sees EOF and closes it
-        return True
-
-    def dispatch(self, sock: socket.socket, address: Any) -> bool:
-        """Serve an admitted connection on a spare thread, or a new one; False: no thread could be started."""
-        with self._lock:
-            if self._spare:
-                self._spare -= 1
-                self._jobs.put((sock, address))
-                return True
-            worker = threading.Thread(target=self._work, args=(sock, address), name=f"{self.name}-conn",
-                                      daemon=True)
-            self.workers.add(worker)
-        try:
-            worker.start()
-        except RuntimeError:  # the process is at its thread limit
-            with self._lock:
-                self.workers.discard(worker)
-            return False
-        return True
-
-    def _work(self, sock: socket.socket, address: Any) -> None:
-        me = threading.current_thread()
-        job: tuple[socket.socket, Any] | None = (sock, address)
-        try:
-            while job is not None:
-                self._serve(*job)
-                with self._lock:
-                    if not self.keep_alive or self._spare >= SPARE_WORKERS:
-                        return
-                    self._spare += 1
-                job = self._next_job()
-        finally:
-            with self._lock:
-                self.workers.discard(me)
-
-    def _next_job(self) -> tuple[socket.socket, Any] | None:
-        """A spare's wait for its next connection (None: end); at most SPARE_IDLE_S."""
-        try:
-            return self._jobs.get(timeout=SPARE_IDLE_S)
-        except queue.Empty:
-            with self._lock:  # (dispatch counts a spare out and queues its job under this lock)
-                try:
-                    return self._jobs.get_nowait()
-                except queue.Empty:
-                    self._spare -= 1
-                    return None
-
-    def await_request(self, sock: socket.socket) -> bool:
-        """A connection waits for its next request: it is cut IDLE_S from now (or sooner, when the server is full);
-        False: it is to close instead."""
-        with self._lock:
-            if not self.keep_alive or sock not in self._deadlines:
-                return False
-            self._deadlines[sock] = time.monotonic() + self.idle_s
-            self._idle[sock] = None
-            return True
-
-    def request_begins(self, sock: socket.socket) -> bool:
-        """The next request's first byte arrived: it has REQUEST_TIMEOUT_S; False: the connection was closed
-        while it waited."""
-        with self._lock:
-            if sock not in self._idle:
-                return False
-            del self._idle[sock]
-            self._deadlines[sock] = time.monotonic() + self.request_timeout_s
-            return True
-
-    def in_time(self, sock: socket.socket) -> bool:
-        """Whether a connection is open and within its deadline (not cut)."""
-        with self._lock:
-            return time.monotonic() <= self._deadlines.get(sock, 0.0)
-
-    def forget(self, sock: socket.socket, close: Callable[[socket.socket], None]) -> None:
-        """Close a connection (``close``), under the lock: nothing cuts a descriptor that was closed and reused."""
-        with self._lock:
-            self._deadlines.pop(sock, None)
-            self._idle.pop(sock, None)
-            self._peer.pop(sock, None)
-            close(sock)
-
-    def cut_overdue(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for sock, deadline in self._deadlines.items():
-                if now > deadline:
-                    self._cut(sock)
-
-    def cut_all(self) -> None:
-        with self._lock:
-            for sock in self._deadlines:
-                self._cut(sock)
-
-    def close_all(self, idle_only: bool = False) -> None:
-        """Keep no connection for another request from now on, and let the spare threads end; cut the connections
-        waiting for one (``idle_only``: the others finish their request) or all of them."""
-        with self._lock:
-            self.keep_alive = False
-            for sock in list(self._idle if idle_only else self._deadlines):
-                self._cut(sock)
-            self._idle.clear()
-            for _ in range(self._spare):
-                self._jobs.put(None)
-            self._spare = 0
-
-    @staticmethod
-    def _cut(sock: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-    def busy(self) -> bool:
-        """Whether a thread of the pool is alive (serving, or spare until close_all)."""
-        with self._lock:
-            return any(worker.is_alive() for worker in self.workers)
-
-    def idle(self) -> int:
-        """How many connections wait for their next request."""
-        with self._lock:
-            return len(self._idle)
-
-    def open(self) -> int:
-        """How many connections are open."""
-        with self._lock:
-            return len(self._deadlines)
-
-    def threads(self) -> list[threading.Thread]:
-        with self._lock:
-            return list(self.workers)

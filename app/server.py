@@ -21,7 +21,8 @@ from typing import Any
 
 from werkzeug.serving import ThreadedWSGIServer
 
-from app.http import REQUEST_TIMEOUT_S, Connections, PersistentHandler
+from app.connections import REQUEST_TIMEOUT_S, Connections
+from app.http import PersistentHandler
 from app.logsink import never_block_on_logs
 from election.lock import SCARCE
 from store.fds import socket_above_stdio
@@ -110,11 +111,11 @@ class BoundedServer(ThreadedWSGIServer):
     Every connection costs a thread and a descriptor, so at most MAX_CONNECTIONS are open at once, and a peer
     address at most a share of them; when the server is full the busiest peer's connection idle the longest
     (waiting for a next request, app.http) is closed for a new one, and failing that the new one is answered 503
-    and closed right away by the accepting thread (app.http.Connections.admit).  A
+    and closed right away by the accepting thread (app.connections.Connections.admit).  A
     per-read timeout alone would let a client that sends a byte now and then hold its thread for ever, so each
     request also gets a deadline, REQUEST_TIMEOUT_S after its first byte (after the accept, for a connection's
     first), past which the serving loop shuts its socket down.  Connections are served by a pool of our threads
-    (app.http.Connections), named and tracked so that stop() can join them: nothing of ours serves, and no
+    (app.connections.Connections), named and tracked so that stop() can join them: nothing of ours serves, and no
     scrape reaps, once stop() returns.
     """
 

@@ -32,7 +32,8 @@ from support_e2e import procfile_web_command, rank_env
 from support_e2e import reaper as e2e_reaper
 from support_reliability import vm_status
 
-from app.http import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE, PEER_SHARE
+from app.connections import PEER_SHARE
+from app.http import MAX_HEADER_BYTES, MAX_HEADER_FIELDS, MAX_REQUEST_LINE
 from app.server import MAX_CONNECTIONS
 
 pytestmark = pytest.mark.reliability

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from support import DEADLINE_S, wait_until
 
+import app.connections
 import app.http
 from app.collector import Collector
 from app.server import BoundedServer, bind_listener, close_listener, serve_in_thread
@@ -198,7 +199,7 @@ def test_the_connection_bound_counts_persistent_connections(served: Served,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     connections = served.server.connections
     monkeypatch.setattr(connections, "limit", 3)
-    monkeypatch.setattr(app.http, "PEER_SHARE", 1)  # (one peer here: the bound in all, not a peer's share of it)
+    monkeypatch.setattr(app.connections, "PEER_SHARE", 1)  # (one peer here: the bound in all, not a peer's share of it)
     # Three connections mid-request fill the server: a fourth is answered 503.
     busy = [served.connect() for _ in range(3)]
     for sock in busy:
@@ -224,13 +225,13 @@ def test_the_connection_bound_counts_persistent_connections(served: Served,
 
 
 def test_connections_are_served_by_pooled_threads(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app.http, "SPARE_IDLE_S", 3600)  # (however slowly this test runs)
+    monkeypatch.setattr(app.connections, "SPARE_IDLE_S", 3600)  # (however slowly this test runs)
     for _ in range(10):  # one after the other, each on a new connection
         with served.connect() as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert read_to_eof(sock).startswith(b"HTTP/1.1 200")
     threads = {thread for _, thread in served.seen}
-    assert len(served.seen) == 10 and len(threads) <= app.http.SPARE_WORKERS, threads
+    assert len(served.seen) == 10 and len(threads) <= app.connections.SPARE_WORKERS, threads
 
 
 def test_each_answer_is_one_write(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,7 +264,7 @@ def test_abandoning_closes_idle_connections_and_ends_every_pool_thread(served: S
 
 @pytest.mark.parametrize("ends_by", ["stop", "idle"])
 def test_spare_threads_end_when_idle_or_stopped(tmp_dir: Path, monkeypatch: pytest.MonkeyPatch, ends_by: str) -> None:
-    monkeypatch.setattr(app.http, "SPARE_IDLE_S", 0.2 if ends_by == "idle" else 3600)
+    monkeypatch.setattr(app.connections, "SPARE_IDLE_S", 0.2 if ends_by == "idle" else 3600)
     listener = bind_listener("127.0.0.1", 0)
     server, thread = serve_in_thread(listener, MetricsApp(Collector(tmp_dir, 30), lambda: {}), "test-stop")
     port = listener.getsockname()[1]
