@@ -549,3 +549,22 @@ def proc_cpu_s(pid: int) -> float:
     """The CPU time (user + system, in seconds) process ``pid`` has used so far, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# A child's census of what ties it to an address server (a test's script defines it with this, at its top level):
+# the unix sockets it holds (the server's channel) and its pidfds (the server's, its launcher's).
+HELD_DESCRIPTORS = textwrap.dedent("""
+    def held():
+        unix = {line.split()[6] for line in list(open("/proc/self/net/unix"))[1:]}  # (the inode: 7th field)
+        found = {"sockets": 0, "pidfds": 0}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target == "anon_inode:[pidfd]":
+                found["pidfds"] += 1
+            elif target.startswith("socket:[") and target[8:-1] in unix:
+                found["sockets"] += 1
+        return found
+""").lstrip()

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from support import (  # noqa: F401  (pytest fixtures)
     DEADLINE_S,
+    HELD_DESCRIPTORS,
     PROJECT_ROOT,
     START_DEADLINE_S,
     Reaper,
@@ -557,19 +558,7 @@ FORKING_RANK = textwrap.dedent("""
     stop = threading.Event()
     leaks, forks = [], [0]
 
-    def held():  # the unix sockets (the server's channel) and pidfds (the server's, its launcher's) held here
-        unix = {line.split()[6] for line in list(open("/proc/self/net/unix"))[1:]}  # (the inode: 7th field)
-        found = {"sockets": 0, "pidfds": 0}
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target == "anon_inode:[pidfd]":
-                found["pidfds"] += 1
-            elif target.startswith("socket:[") and target[8:-1] in unix:
-                found["sockets"] += 1
-        return found
+    HELD_DESCRIPTORS
 
     def leaked():  # in a child, any of them is a leak
         return sum(held().values())
@@ -594,7 +583,7 @@ FORKING_RANK = textwrap.dedent("""
     thread.join()
     print(json.dumps({"forks": forks[0], "leaks": leaks}), flush=True)
     sys.stdin.read()
-""")
+""").replace("HELD_DESCRIPTORS\n", HELD_DESCRIPTORS)
 
 
 def test_a_fork_racing_server_starts_never_inherits_their_descriptors(tmp_dir: Path, reaper: Reaper) -> None:

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import (
+from support import (  # noqa: F401  (pytest fixtures)
     DEADLINE_S,
+    HELD_DESCRIPTORS,
     START_DEADLINE_S,
     ExporterRank,
     Reaper,
@@ -32,12 +33,12 @@ from support import (
     free_port,
     healthz,
     http_get,
-    make_exporter_fixture,  # noqa: F401  (pytest fixture)
+    make_exporter_fixture,
     metrics_url,
     parse_exposition,
     pids_in,
     proc_cpu_s,
-    reaper_fixture,  # noqa: F401  (pytest fixture)
+    reaper_fixture,
     scrape,
     series,
     start_exporter_rank,
@@ -315,39 +316,27 @@ FORKING_RANK = textwrap.dedent("""
     from app import Exporter
     exp = Exporter("parent")
 
-    def ours():  # the unix sockets (the server's channel) and pidfds (the server's) this process holds
-        unix = {line.split()[6] for line in list(open("/proc/self/net/unix"))[1:]}  # (the inode: 7th field)
-        found = {"sockets": 0, "pidfds": 0}
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target == "anon_inode:[pidfd]":
-                found["pidfds"] += 1
-            elif target.startswith("socket:[") and target[8:-1] in unix:
-                found["sockets"] += 1
-        return found
+    HELD_DESCRIPTORS
 
     print(json.dumps({"pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         if line.strip() == "held":
-            print(json.dumps(ours()), flush=True)
+            print(json.dumps(held()), flush=True)
             continue
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:  # a child that records, and closes its Exporter: never the parent's server's business
             os.close(read_end)
-            inherited = ours()
+            inherited = held()
             exp.export_event(0, 1)
             exp.close()
-            os.write(write_end, json.dumps({"inherited": inherited, "after_close": ours()}).encode())
+            os.write(write_end, json.dumps({"inherited": inherited, "after_close": held()}).encode())
             os._exit(0)
         os.close(write_end)
         child = json.loads(os.fdopen(read_end).read())
         os.waitpid(pid, 0)
         print(json.dumps({"child": pid, **child}), flush=True)
-""")
+""").replace("HELD_DESCRIPTORS\n", HELD_DESCRIPTORS)
 
 
 def test_a_forked_child_never_inherits_the_server(tmp_dir: Path, reaper: Reaper) -> None:
