@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import random
@@ -19,7 +20,7 @@ from pathlib import Path
 from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, error_count
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
-from app.probe import die_with_parent, exit_words, get_healthz, is_address_server, port_holders
+from app.probe import die_with_parent, exit_words, get_healthz, is_address_server, listening_pids, port_holders
 from store import EventType
 
 RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
@@ -248,17 +249,13 @@ def _serve_final_values(port: int, ttl_s: float, stop: StopSignals) -> None:
 
 def _stop_server(port: int) -> None:
     """Stop the demo's address server, if it still serves (the demo was stopped, or failed), before its
-    directory goes."""
-    owner = get_healthz("127.0.0.1", port, timeout_s=0.5).owner
-    pid = None if owner is None else owner.get("server_pid")
-    if not isinstance(pid, int) or not is_address_server(pid):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)  # it gives the port up and exits
-    except OSError:
-        return
+    directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it running."""
+    servers = [pid for pid in listening_pids(port) if is_address_server(pid)]
+    for pid in servers:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)  # it gives the port up and exits
     deadline = time.monotonic() + SERVER_STOP_S
-    while get_healthz("127.0.0.1", port, timeout_s=0.5).owner is not None and time.monotonic() < deadline:
+    while servers and time.monotonic() < deadline and any(is_address_server(pid) for pid in listening_pids(port)):
         time.sleep(0.02)
 
 
