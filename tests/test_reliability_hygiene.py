@@ -69,8 +69,11 @@ def test_many_exporter_lifetimes_leak_no_descriptor_nor_thread(tmp_dir, serve_mo
         exp.export_event(EventType.AGENT_TX_BYTES, 1)
         assert scrape_ok(port)
     address_given_up(port, lock)
-    wait_until(lambda: ours() == [], timeout=DEADLINE_S * 2,  # (a standby parks until the lock is free)
-               message=f"the warm-up's threads to end (now {ours()})")
+    # The warm-up's serving threads end with it (a log carrier, a server thread); its standby may stay parked in
+    # flock() until the lock is next taken and released (docs/guarantees.md: "Not guaranteed"), so it is counted
+    # in the baseline below rather than waited for.
+    wait_until(lambda: [name for name in ours() if not name.startswith("nixl-standby-")] == [],
+               timeout=DEADLINE_S * 2, message="the warm-up's serving threads to end")
     fds0, threads0 = fd_count(), threading.active_count()
 
     # Each one wins the election, binds, serves (from a thread, or starts its address server) and gives it all
