@@ -410,7 +410,10 @@ def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Pat
     start_paced_rank(reaper, tmp_dir, port, "sender", "0", 50, 4096, "tx", error_every=5)
     start_paced_rank(reaper, tmp_dir, port, "receiver", "1", 20, 1 << 20, "rx")
     command = f"{shlex.quote(sys.executable)} -m app top {shlex.quote(str(tmp_dir))} --interval 0.5"
-    window = tmux_window(f"echo BEFORE\n{command}\necho QUIT=$?; stty -a\n{command}\necho INTERRUPTED=$?; stty -a")
+    # The second view waits for a line from the test: started at once, it would take the screen (the alternate
+    # one) before a capture could see what the shell printed after the first.
+    window = tmux_window(f"echo BEFORE\n{command}\necho QUIT=$?; stty -a; read again\n{command}\n"
+                         "echo INTERRUPTED=$?; stty -a")
 
     def rows_with_rates(screen: str) -> bool:
         lines = screen.splitlines()
@@ -445,6 +448,7 @@ def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Pat
     assert "QUIT=0" in screen and "BEFORE" in screen and "Traceback" not in screen
     assert terminal_restored(screen, "QUIT=0"), screen
 
+    window.tmux("send-keys", "-t", "top", "Enter")
     window.wait_for(rows_with_rates, "the second view never drew the ranks")
     window.tmux("send-keys", "-t", "top", "C-c")
     screen = window.wait_for(lambda s: stty_shown(s, "INTERRUPTED="), "Ctrl-C did not stop the view")
