@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import open_direct
 
 REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"  # the configurations operators are given, tested as shipped
 VENV_BIN = Path(sys.executable).parent  # gunicorn, promtool-free tools of this interpreter
 T = TypeVar("T")
 

@@ -22,11 +22,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from support_e2e import REPO, procfile_web_command
+from support_e2e import DEPLOY, REPO, procfile_web_command
 
 from store.metrics import FAMILIES
 
-DEPLOY = REPO / "deploy"
 MOUNT = "/run/nixl_metrics"
 DIR_ENV = "NIXL_TELEMETRY_MULTIPROC_DIR"
 PORT_ENV = "NIXL_TELEMETRY_PROMETHEUS_PORT"

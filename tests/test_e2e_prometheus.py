@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from support_e2e import (
+    DEPLOY,
     XFER_BUCKET,
     XFER_US,
     Proc,
@@ -62,22 +64,39 @@ ALLOWED_PROMTOOL_FINDINGS = {
 }
 
 
+def shipped_static_config(targets: list[str]) -> dict[str, Any]:
+    """deploy/prometheus-static.yml as shipped, but for its targets and a 1 s pace (scrapes and rules)."""
+    doc = yaml.safe_load((DEPLOY / "prometheus-static.yml").read_text())
+    doc["global"].update(scrape_interval="1s", scrape_timeout="800ms", evaluation_interval="1s")
+    (job,) = doc["scrape_configs"]
+    job.update(scrape_interval="1s", scrape_timeout="800ms")
+    (static,) = job["static_configs"]
+    static["targets"] = targets
+    return doc
+
+
 class Prometheus:
-    """A real Prometheus on 127.0.0.1 scraping ``target`` (job nixl) and ``others`` (job -> target) every second."""
+    """A real Prometheus on 127.0.0.1 scraping ``target`` (job nixl) and ``others`` (job -> target) every second;
+    or, given ``config``, that configuration (its rule files copied from deploy/ beside it)."""
 
     def __init__(self, r: Reaper, tmp: Path, target: str, others: dict[str, str] | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, config: dict[str, Any] | None = None) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        config = tmp / "prometheus.yml"
-        jobs = {"nixl": target, **(others or {})}
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 800ms\n  evaluation_interval: 1s\nscrape_configs:\n"
-            + "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['{to}']\n"
-                      for job, to in jobs.items()))
+        path = tmp / "prometheus.yml"
+        if config is not None:
+            for rules in config.get("rule_files", []):
+                shutil.copy(DEPLOY / rules, tmp / rules)  # relative to the configuration, as shipped
+            path.write_text(yaml.safe_dump(config))
+        else:
+            jobs = {"nixl": target, **(others or {})}
+            path.write_text(
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 800ms\n  evaluation_interval: 1s\n"
+                "scrape_configs:\n" + "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['{to}']\n"
+                                              for job, to in jobs.items()))
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         assert PROMETHEUS is not None
-        args = [PROMETHEUS, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{self.port}",
+        args = [PROMETHEUS, f"--config.file={path}", f"--web.listen-address=127.0.0.1:{self.port}",
                 f"--storage.tsdb.path={tmp / 'data'}", "--log.level=warn"]
         self.proc: Proc = r.start(args, dict(os.environ), cwd=tmp)
         wait_until(lambda: http_get(f"{self.url}/-/ready", timeout=1)[0] == 200, 30, "Prometheus to be ready")
@@ -86,6 +105,12 @@ class Prometheus:
         doc = get_json(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
         assert doc["status"] == "success", doc
         return doc["data"]["result"]
+
+    def get_rules(self) -> dict[str, Any]:
+        """/api/v1/rules: the rule groups loaded, with their state."""
+        doc = get_json(f"{self.url}/api/v1/rules")
+        assert doc["status"] == "success", doc
+        return dict(doc["data"])
 
     def label_values(self, query: str) -> list[str]:
         """A Grafana ``label_values(metric, label)`` variable query, as Grafana asks Prometheus for it."""
