@@ -161,6 +161,21 @@ def test_operations_page_documents_every_command_and_the_console_script() -> Non
     assert re.findall(r"^\| `([a-z]+)[^`]*` \|", section, re.M) == commands
 
 
+def test_top_help_and_the_operations_page_name_the_ttl_top_uses() -> None:
+    """In the order the program takes them (tests/test_top.py proves it: --ttl over the variable, the owner's when
+    neither is set): --ttl, the variable, the directory's owner's, 30 s."""
+    from app.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if a.dest == "command"]
+    (ttl,) = [a for a in sub.choices["top"]._actions if a.dest == "ttl"]  # type: ignore[index]
+    assert "$NIXL_TELEMETRY_MP_STALE_TTL, else the TTL the directory's owner applies (its /healthz), else 30;" \
+        in ttl.help, ttl.help
+    section = " ".join(OPERATIONS.read_text().split("\n## Watching the ranks", 1)[1].split("\n## ", 1)[0].split())
+    assert "counted with `--ttl`, else `NIXL_TELEMETRY_MP_STALE_TTL`, else the TTL the directory's owner applies " \
+        "(its `/healthz`), else the default 30 s; the title says which." in section
+    assert "else 30 s" not in section, "a second, older account of the TTL"
+
+
 def test_format_page_examples_of_names_that_are_not_stores_are_not() -> None:
     from store.layout import is_store_name, store_file_name
 

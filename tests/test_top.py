@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -439,7 +440,14 @@ def test_live_view_draws_the_ranks_sorts_survives_resizes_and_quits(tmp_dir: Pat
         return bool(header) and header[0].split()[-3:] == ["P50", "P99", "ERRORS"] and any(
             line.startswith("hidden at this width: INST") for line in lines)
 
-    window.wait_for(fits_80_columns, "at 80 columns, P50, P99 and ERRORS were cut or the hidden ones not named")
+    screen = window.wait_for(fits_80_columns, "at 80 columns, P50, P99 and ERRORS were cut or the hidden ones "
+                                              "not named")
+    # The title, the keys and the note on hidden columns wrap between words: none is cut at the edge.
+    above, _, below = screen.partition("\nAGENT")
+    words = re.sub(r"over [0-9.]+ s", "over S s", " ".join(above.split()))  # the interval as measured
+    assert f"{tmp_dir}:" in above.replace("\n", "") and "2 live, 0 departed; over S s; " \
+        f"TTL {TTL_S} s ($NIXL_TELEMETRY_MP_STALE_TTL) sort: tx (s: next, r: reverse) q: quit" in words, screen
+    assert "(widen the terminal to see them)" in " ".join(below.split()), screen
     window.tmux("resize-window", "-t", "top", "-x", "140", "-y", "30")
     window.wait_for(rows_with_rates, "the view was not redrawn after growing back")
 

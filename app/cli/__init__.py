@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="print one snapshot over --interval and exit")
     top.add_argument("--json", action="store_true", help="one snapshot (as --once) as a JSON list of stores")
     top.add_argument("--interval", type=INTERVAL, default=1.0, help="seconds per refresh (default 1)")
-    top.add_argument("--ttl", type=ttl_flag, help=f"seconds a departed rank stays published (default: ${TTL_ENV} "
-                                                   "or 30, as the ranks read it)")
+    top.add_argument("--ttl", type=ttl_flag, help=f"seconds a departed rank stays published (default: ${TTL_ENV}, "
+                                                   "else the TTL the directory's owner applies (its /healthz), else "
+                                                   "30; the title says which)")
     top.set_defaults(func=cmd_top)
     return parser
 

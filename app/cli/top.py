@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -318,9 +319,9 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False,
     over = "waiting for a second read" if frame.interval_s is None else f"over {frame.interval_s:.1f} s"
     title = f"{frame.directory}: {live} live, {len(rows) - live} departed; {over}" + (
         f"; {frame.ttl}" if frame.ttl else "")
-    lines: list[tuple[str, int]] = [(title, TITLE)]
+    lines = wrap(title, TITLE, width)
     if frame.problem:
-        return [*lines, (frame.problem, NOTE)]
+        return [*lines, *wrap(frame.problem, NOTE, width)]
     table = [HEADER, *map(_cells, rows), _total_cells(totals(rows))]
     text, hidden = _align(table, width)
     lines.append((text[0], HEADING))
@@ -328,8 +329,15 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False,
               for line, r in zip(text[1:-1], rows, strict=True)]
     lines.append((text[-1], TOTAL))
     if hidden:
-        lines.append((f"hidden at this width: {', '.join(hidden)} (widen the terminal to see them)", NOTE))
-    return lines + [(f"warning: {w}", NOTE) for w in frame.warnings]
+        lines += wrap(f"hidden at this width: {', '.join(hidden)} (widen the terminal to see them)", NOTE, width)
+    return lines + [line for w in frame.warnings for line in wrap(f"warning: {w}", NOTE, width)]
+
+
+def wrap(text: str, style: int, width: int | None) -> list[tuple[str, int]]:
+    """``text`` as lines of ``width`` at most, broken between words (a cut word reads as another word)."""
+    if width is None or len(text) <= width:
+        return [(text, style)]
+    return [(line, style) for line in textwrap.wrap(text, max(width, 1), break_on_hyphens=False)]
 
 
 # -- the command --------------------------------------------------------------
@@ -465,7 +473,8 @@ class _LiveView:
         name = SORTS[self.sort][0]
         keys = f"sort: {name}{' reversed' if self.reverse else ''} (s: next, r: reverse)  q: quit"
         lines = render(self.frame, name, self.reverse, width - 1)
-        lines.insert(1, (keys, NOTE))
+        below_title = sum(style == TITLE for _, style in lines)  # the title's lines come first
+        lines[below_title:below_title] = wrap(keys, NOTE, width - 1)
         if len(lines) > height:  # keep the title and header, and the totals and warnings when they fit
             hidden = len(lines) - height + 1
             lines = [*lines[:height - 1], (f"... {hidden} more line(s): enlarge the terminal", NOTE)]
