@@ -60,8 +60,9 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
     """At the end of its --duration the demo waits for the address server to give the port up (the TTL after the
     ranks' last update: Prometheus gets their final values), then prints the totals last."""
     port = free_port()
-    # The demo's own temp dir lands in tmp_path; a short TTL, or the demo waits 10 s for its server to go.
-    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="2")
+    # The demo's own temp dir lands in tmp_path. The TTL is how long the demo has, once its ranks ended, to see
+    # their server still serving (and say so): a bound only a hang reaches (with 1 s, a loaded host missed it).
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="10")
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     with reaper() as r:
         demo = r.start([*CLI, "demo", "--ranks", "3", "--port", str(port), "--duration", "3"], env)
@@ -75,7 +76,7 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert health["owner"]["mode"] == "in-process"
         assert sorted(rank["local_rank"] for rank in health["live"]) == ["0", "1", "2"]
-        assert demo.popen.wait(timeout=30) == 0, demo.output
+        assert demo.popen.wait(timeout=60) == 0, demo.output
     with pytest.raises(OSError):  # the server gave the port up before the demo ended
         http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)
 
@@ -109,7 +110,8 @@ def test_demo_serves_with_http_proxy_set(tmp_path: Path) -> None:
     straight to 127.0.0.1, never through http_proxy (with urlopen it waited 20 s, then named its own rank and
     helper as the port's holders)."""
     port = free_port()
-    env = with_dead_proxy(rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="1"))
+    # The TTL: the time the demo has to see the server at the end (see the test above).
+    env = with_dead_proxy(rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="10"))
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     done = run_cli("demo", "--ranks", "2", "--port", str(port), "--duration", "2", env=env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
