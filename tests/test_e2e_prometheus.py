@@ -43,11 +43,12 @@ from support_e2e import (
 pytestmark = pytest.mark.e2e
 
 
-def _binary(name: str) -> str | None:
+def binary(name: str) -> str | None:
+    """The installed program ``name`` (Debian puts its servers in /usr/bin), or None."""
     return shutil.which(name) or (f"/usr/bin/{name}" if os.access(f"/usr/bin/{name}", os.X_OK) else None)
 
 
-PROMETHEUS, PROMTOOL = _binary("prometheus"), _binary("promtool")
+PROMETHEUS, PROMTOOL = binary("prometheus"), binary("promtool")
 needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None or PROMTOOL is None,
     reason="the prometheus and promtool binaries are not installed (apt-get install prometheus; .ci/run does)")
@@ -75,31 +76,11 @@ def shipped_static_config(targets: list[str]) -> dict[str, Any]:
     return doc
 
 
-class Prometheus:
-    """A real Prometheus on 127.0.0.1 scraping ``target`` (job nixl) and ``others`` (job -> target) every second;
-    or, given ``config``, that configuration (its rule files copied from deploy/ beside it)."""
+class QueryApi:
+    """Prometheus's HTTP query API at ``url`` (a Prometheus, or VictoriaMetrics, which answers it too)."""
 
-    def __init__(self, r: Reaper, tmp: Path, target: str, others: dict[str, str] | None = None,
-                 port: int | None = None, config: dict[str, Any] | None = None) -> None:
-        tmp.mkdir(parents=True, exist_ok=True)
-        path = tmp / "prometheus.yml"
-        if config is not None:
-            for rules in config.get("rule_files", []):
-                shutil.copy(DEPLOY / rules, tmp / rules)  # relative to the configuration, as shipped
-            path.write_text(yaml.safe_dump(config))
-        else:
-            jobs = {"nixl": target, **(others or {})}
-            path.write_text(
-                "global:\n  scrape_interval: 1s\n  scrape_timeout: 800ms\n  evaluation_interval: 1s\n"
-                "scrape_configs:\n" + "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['{to}']\n"
-                                              for job, to in jobs.items()))
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        assert PROMETHEUS is not None
-        args = [PROMETHEUS, f"--config.file={path}", f"--web.listen-address=127.0.0.1:{self.port}",
-                f"--storage.tsdb.path={tmp / 'data'}", "--log.level=warn"]
-        self.proc: Proc = r.start(args, dict(os.environ), cwd=tmp)
-        wait_until(lambda: http_get(f"{self.url}/-/ready", timeout=1)[0] == 200, 30, "Prometheus to be ready")
+    def __init__(self, url: str) -> None:
+        self.url = url
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         doc = get_json(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
@@ -127,6 +108,36 @@ class Prometheus:
                    if t["labels"]["job"] == "nixl"]
         assert len(targets) <= 1, targets
         return targets[0] if targets else {"health": "not discovered yet", "lastError": ""}
+
+
+class Prometheus(QueryApi):
+    """A real Prometheus on 127.0.0.1 scraping ``target`` (job nixl) and ``others`` (job -> target) every second;
+    or, given ``config``, that configuration, its rule files beside it: those of ``files`` (name -> text), else
+    deploy/'s as shipped."""
+
+    def __init__(self, r: Reaper, tmp: Path, target: str = "", others: dict[str, str] | None = None,
+                 port: int | None = None, config: dict[str, Any] | None = None,
+                 files: dict[str, str] | None = None) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        path = tmp / "prometheus.yml"
+        if config is not None:
+            for rules in config.get("rule_files", []):  # relative to the configuration, as shipped
+                (tmp / rules).write_text((files or {}).get(rules) or (DEPLOY / rules).read_text())
+            path.write_text(yaml.safe_dump(config))
+        else:
+            jobs = {"nixl": target, **(others or {})}
+            path.write_text(
+                "global:\n  scrape_interval: 1s\n  scrape_timeout: 800ms\n  evaluation_interval: 1s\n"
+                "scrape_configs:\n" + "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['{to}']\n"
+                                              for job, to in jobs.items()))
+        self.port = port or free_port()
+        super().__init__(f"http://127.0.0.1:{self.port}")
+        assert PROMETHEUS is not None
+        args = [PROMETHEUS, f"--config.file={path}", f"--web.listen-address=127.0.0.1:{self.port}",
+                f"--storage.tsdb.path={tmp / 'data'}", "--log.level=warn"]
+        self.proc: Proc = r.start(args, dict(os.environ), cwd=tmp)
+        wait_until(lambda: http_get(f"{self.url}/-/ready", timeout=1)[0] == 200, 30,
+                   lambda: f"Prometheus to be ready; its output:\n{self.proc.output[-2000:]}")
 
 
 @contextmanager
