@@ -208,6 +208,12 @@ class Proc:
         with self._cond:
             return "\n".join(self.lines)
 
+    def release(self) -> None:
+        """Let a gated rank (``Reaper.rank(..., gated=True)``) start recording."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.write("go\n")
+        self.popen.stdin.flush()
+
     def killpg(self, sig: int = signal.SIGKILL) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
@@ -237,11 +243,14 @@ class Reaper:
         self.procs.append(proc)
         return proc
 
-    def rank(self, directory: Path, port: int, rank: int, name: str | None = None, **extra: str) -> Proc:
-        """A RANK_CODE rank; wait for it with ``wait_ready``."""
+    def rank(self, directory: Path, port: int, rank: int, name: str | None = None, gated: bool = False,
+             **extra: str) -> Proc:
+        """A RANK_CODE rank; wait for it with ``wait_ready``. ``gated``: its interpreter started and the library
+        imported, it waits for ``Proc.release()`` to start recording (a start without the interpreter's)."""
         env = rank_env(directory, port, LOCAL_RANK=str(rank), **extra)
         xfer = XFER_US[rank % len(XFER_US)]
-        return self.start([sys.executable, "-c", RANK_CODE, name or f"agent-{rank}", str(rank), str(xfer),
+        code = f"import sys, app\nsys.stdin.readline()\n{RANK_CODE}" if gated else RANK_CODE
+        return self.start([sys.executable, "-c", code, name or f"agent-{rank}", str(rank), str(xfer),
                            str(XFER_COUNT)], env, stdin=True)
 
     def close(self) -> None:

@@ -124,6 +124,9 @@ class Prometheus(QueryApi):
             for rules in config.get("rule_files", []):  # relative to the configuration, as shipped
                 (tmp / rules).write_text((files or {}).get(rules) or (DEPLOY / rules).read_text())
             path.write_text(yaml.safe_dump(config))
+            assert PROMTOOL is not None
+            done = subprocess.run([PROMTOOL, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
         else:
             jobs = {"nixl": target, **(others or {})}
             path.write_text(
