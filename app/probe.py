@@ -87,8 +87,8 @@ def lock_holder_pid(path: Path) -> int | None:
     return next((pid or None for blocked, pid in flock_entries(st) if not blocked), None)
 
 
-def listening_pids(port: int) -> list[int]:
-    """The processes listening on TCP ``port`` that this user can see, from Linux's /proc."""
+def listening_sockets(port: int) -> set[str]:
+    """The sockets listening on TCP ``port`` ("socket:[inode]"), whoever holds them, from Linux's /proc."""
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -99,6 +99,12 @@ def listening_pids(port: int) -> list[int]:
             fields = line.split()  # sl local_address rem_address st ... inode
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def listening_pids(port: int) -> list[int]:
+    """The processes listening on TCP ``port`` that this user can see, from Linux's /proc."""
+    inodes = listening_sockets(port)
     holders = []
     for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
         with contextlib.suppress(OSError):

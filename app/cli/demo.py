@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import logging
 import os
 import random
 import shutil
@@ -20,7 +21,15 @@ from pathlib import Path
 from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, error_count
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
-from app.probe import die_with_parent, exit_words, get_healthz, is_address_server, listening_pids, port_holders
+from app.probe import (
+    die_with_parent,
+    exit_words,
+    get_healthz,
+    is_address_server,
+    listening_pids,
+    listening_sockets,
+    port_holders,
+)
 from store import EventType
 
 RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
@@ -53,7 +62,13 @@ def _demo_rank(args: argparse.Namespace) -> int:
                 exp.record_error(rng.choice(["backend", "remote_disconnect", "canceled"]))
             stop.wait(1.0 / args.rate)
         exp.record_memory_deregistered(1 << 30)
-    return 0
+    # Out now, not through the interpreter's shutdown, which resets the signal handlers and then reports
+    # ("Signal 15 ignored due to race condition", a traceback) a stop signal of a burst that arrived just before.
+    # The store is released and nothing else of this process needs finalizing: flush what it wrote, and exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Totals:
@@ -249,13 +264,20 @@ def _serve_final_values(port: int, ttl_s: float, stop: StopSignals) -> None:
 
 def _stop_server(port: int) -> None:
     """Stop the demo's address server, if it still serves (the demo was stopped, or failed), before its
-    directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it running."""
-    servers = [pid for pid in listening_pids(port) if is_address_server(pid)]
-    for pid in servers:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)  # it gives the port up and exits
+    directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it running.
+    A server still starting is held by no process: its listener is in flight to it (queued on its channel before
+    its interpreter started), so a listening port with no holder in sight is waited on until one shows."""
     deadline = time.monotonic() + SERVER_STOP_S
-    while servers and time.monotonic() < deadline and any(is_address_server(pid) for pid in listening_pids(port)):
+    stopped: set[int] = set()
+    while listening_sockets(port) and time.monotonic() < deadline:
+        holders = listening_pids(port)
+        servers = {pid for pid in holders if is_address_server(pid)}
+        if holders and not servers:
+            return  # another program's listener: not the demo's to stop
+        for pid in servers - stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)  # it gives the port up and exits
+        stopped |= servers
         time.sleep(0.02)
 
 
