@@ -195,6 +195,11 @@ class Connections:
         with self._lock:
             return len(self._idle)
 
+    def spare(self) -> int:
+        """How many pool threads wait for the next connection."""
+        with self._lock:
+            return self._spare
+
     def open(self) -> int:
         """How many connections are open."""
         with self._lock:
