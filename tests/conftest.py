@@ -4,6 +4,7 @@ root_owned_dir."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import subprocess
 import sys
@@ -140,17 +141,17 @@ def serve_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 # and reaps the ones a module's tests left (a module's fixtures may share one), so that none piles up over the
 # run.  Tests use a port and a directory of their own, so a server left until the module ends serves nobody else.
 
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
-def _make_subreaper() -> None:
-    import ctypes
+def _is_subreaper() -> bool:
+    flag = ctypes.c_int(0)
+    _LIBC.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
-
-_make_subreaper()
+_LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def stop_address_servers() -> None:
@@ -177,3 +178,6 @@ def stop_address_servers() -> None:
 def _no_address_server_outlives_its_module() -> Iterator[None]:
     yield
     stop_address_servers()
+    # A module that switched the flag off would send the servers of the worker's later modules to init, where
+    # they outlive the run (a test's TTL of an hour): the module that did it fails here.
+    assert _is_subreaper(), "a test of this module switched off the worker's child-subreaper flag (conftest's)"

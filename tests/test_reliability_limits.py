@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
@@ -37,7 +36,6 @@ from store import EventType, writer_alive
 
 pytestmark = pytest.mark.reliability
 
-PR_SET_CHILD_SUBREAPER = 36
 
 FORKING_RANK = textwrap.dedent("""
     import json, os, sys, time
@@ -60,8 +58,8 @@ def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, r
     plug-in's wording) a child that only forks does NOT keep its parent's store looking live: once the parent
     dies its store is departed and its address free, while the child still runs.  (With an address server the
     address is the server's, which outlives the parent: once that server goes too, the election is free.)"""
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0  # the orphaned child is ours to reap
+    # The orphaned child is ours to reap: every pytest worker is a child subreaper (conftest), for good (this
+    # test once switched that off at its end, and the address servers of the worker's later tests went to init).
     port = free_port()
     child = None
     try:
@@ -92,7 +90,6 @@ def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, r
         if child is not None:
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.mark.timeout(60)
