@@ -512,7 +512,7 @@ def test_dropped_exporter_is_released_like_close(tmp_dir, tmp_path, lock_probe):
     with Exporter("owner", env) as owner:
         assert owner.serving
         wait_until_settled(port, env)
-        baseline_fds, baseline_threads = open_fds(), {t.ident for t in threading.enumerate()}
+        baseline_fds, baseline_threads = open_fds(), set(threading.enumerate())  # threads, not reusable idents
 
         writer = Exporter("dropped-writer", env)
         writer.export_event(EventType.AGENT_TX_BYTES, 1)
@@ -544,7 +544,7 @@ def test_dropped_exporter_is_released_like_close(tmp_dir, tmp_path, lock_probe):
         # cannot be woken without a signal handler of ours): one thread, one descriptor, holding nothing.  (An
         # owner that handed the address to a server stands by for that server itself: the writer shared it.)
         def ours_left() -> list[str]:
-            return [t.name for t in threading.enumerate() if t.ident not in baseline_threads]
+            return [t.name for t in threading.enumerate() if t not in baseline_threads]
 
         parked = f"nixl-standby-{lock_file_name(f'127.0.0.1:{port}')}"
         wait_until(lambda: set(ours_left()) <= {parked}, message="the dropped owner's threads to end")
@@ -569,7 +569,7 @@ def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir, serve_mo
     if serve_mode == "helper":
         pytest.skip("the rank's own threads serve here; an address server's connections are its own process's")
     port = free_port()
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())  # the threads themselves: the OS reuses a dead thread's ident
     exp = Exporter("closing", exporter_env(tmp_dir, port))
     assert exp.serving
     stop = threading.Event()
@@ -587,10 +587,10 @@ def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir, serve_mo
     slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
     for s in slow:
         s.sendall(b"GET /metr")  # each holds a connection thread of ours, blocked reading
-    wait_until(lambda: sum(t.ident not in before for t in threading.enumerate()) >= 1 + 4 + 3,
+    wait_until(lambda: sum(t not in before for t in threading.enumerate()) >= 1 + 4 + 3,
                message="the slow connections' threads")
     exp.close()
-    left = [t.name for t in threading.enumerate() if t.ident not in before and t not in scrapers]
+    left = [t.name for t in threading.enumerate() if t not in before and t not in scrapers]
     stop.set()
     for t in scrapers:
         t.join(timeout=10)

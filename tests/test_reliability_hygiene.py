@@ -113,7 +113,7 @@ def test_many_exporter_lifetimes_leak_no_descriptor_nor_thread(tmp_dir, serve_mo
 @pytest.mark.timeout(60)
 def test_concurrent_close_is_idempotent_and_leaves_nothing_running(tmp_dir, serve_mode):
     port = free_port()
-    baseline_threads = {t.ident for t in threading.enumerate()}
+    baseline_threads = set(threading.enumerate())  # the threads themselves: the OS reuses a dead thread's ident
     fds = fd_count()
     exp = Exporter("closing", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0"))
     assert exp.serving
@@ -171,7 +171,7 @@ def test_concurrent_close_is_idempotent_and_leaves_nothing_running(tmp_dir, serv
     with contextlib.suppress(ConnectionResetError):
         assert not slow.recv(100).startswith(b"HTTP/1.1 200")
     slow.close()
-    wait_until(lambda: {t.ident for t in threading.enumerate()} <= baseline_threads, timeout=10,
+    wait_until(lambda: set(threading.enumerate()) <= baseline_threads, timeout=10,
                message="every thread the exporter started to end")
     assert fd_count() <= fds
     assert not [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
