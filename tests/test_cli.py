@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import listening_socket
+from support import can_bind, listening_socket
 from support_e2e import (
     REPO,
     Proc,
@@ -77,8 +77,9 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
         assert health["owner"]["mode"] == "in-process"
         assert sorted(rank["local_rank"] for rank in health["live"]) == ["0", "1", "2"]
         assert demo.popen.wait(timeout=60) == 0, demo.output
-    with pytest.raises(OSError):  # the server gave the port up before the demo ended
-        http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    # The server gave the port up before the demo ended: nothing listens (a refused connection would not tell a
+    # server too slow to answer from none).
+    assert can_bind(port), f"something still listens on port {port}"
 
     out = demo.output.splitlines()
     assert any(f"http://127.0.0.1:{port}/metrics" in line and "3 ranks recording into" in line for line in out), out
@@ -346,5 +347,5 @@ def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
         demo.killpg(signal.SIGINT)
         assert demo.popen.wait(timeout=15) == 0, demo.output
     assert "Traceback" not in demo.output, demo.output
-    with pytest.raises(OSError):  # a stop stops the ranks' address server too, at once (no TTL wait)
-        http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+    # A stop stops the ranks' address server too, at once (no TTL wait): nothing listens on the port.
+    assert can_bind(port), f"something still listens on port {port}"

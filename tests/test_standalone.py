@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import listening_socket, open_direct
+from support import can_bind, listening_socket, open_direct
 from support_e2e import (
     REPO,
     VENV_BIN,
@@ -363,8 +363,7 @@ def test_gunicorn_flag_that_would_strand_the_address_is_refused_before_anything_
     assert wanted.format(port=port, other=other) in ours[0], ours[0]
     assert not directory.exists()  # refused before the directory, the lock file or the election
     for served in (port, other):
-        with pytest.raises(OSError):
-            http_get(f"http://127.0.0.1:{served}/healthz", timeout=2)
+        assert can_bind(served), f"something listens on port {served}"
 
 
 def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> None:
