@@ -116,10 +116,10 @@ def test_slow_and_trickling_clients_do_not_block_others_and_are_cut(server):
     http09.sendall(b"GET /metrics\r\n")
     started = time.monotonic()
     try:
+        # Each scrape answered within ok()'s 5 s timeout: a server that the held clients blocked would keep the
+        # scraper waiting for their 10 s deadline (REQUEST_TIMEOUT_S), so the timeout tells the two apart.
         for _ in range(10):
-            t0 = time.monotonic()
             assert server.ok()
-            assert time.monotonic() - t0 < 2.0
         cut = None
         while time.monotonic() - started < 20:
             try:
