@@ -47,6 +47,7 @@ from support import reaper_fixture as reaper  # noqa: F401  (pytest fixture)
 from support_reliability import lock_is_free
 
 from app import Exporter
+from app.address.server import CHECK_S
 from app.probe import is_address_server, listening_pids
 from election import lock_file_name
 from store import EventType
@@ -56,7 +57,8 @@ pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("serve_mode")]  #
 # Imported by every child script: logging on stderr, one JSON answer per line on stdout, commands on stdin, and
 # the two real limits the tests impose.
 CHILD_PRELUDE = textwrap.dedent("""
-    import json, logging, os, random, resource, signal, socket, sys, threading, time
+    import faulthandler, json, logging, os, random, resource, signal, socket, sys, threading, time
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a hung child tells where (run_child)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     from app import Exporter
     from store import EventType as E
@@ -102,17 +104,24 @@ CHILD_PRELUDE = textwrap.dedent("""
 
 
 def run_child(script: str, env: dict[str, str], timeout: float, args: tuple[str, ...] = ()) -> tuple[Any, str]:
-    """Run CHILD_PRELUDE + script to completion (killed after ``timeout`` s: a hang fails); (last answer, stderr)."""
-    try:
-        done = subprocess.run([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(script), *args],
-                              cwd=PROJECT_ROOT, env=child_env(env), capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"the child hung (killed after {timeout} s); stderr:\n{exc.stderr}") from None
-    assert done.returncode == 0, f"rc={done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    lines = done.stdout.strip().splitlines()
-    assert lines, done.stderr
-    return json.loads(lines[-1]), done.stderr
+    """Run CHILD_PRELUDE + script to completion (killed after ``timeout`` s: a hang fails, with every thread's
+    stack); (last answer, stderr)."""
+    with subprocess.Popen([sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(script), *args],
+                          cwd=PROJECT_ROOT, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, stdin=subprocess.DEVNULL) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGUSR2)  # faulthandler writes every thread's stack to stderr
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(5)
+            child.kill()
+            stdout, stderr = child.communicate()
+            raise AssertionError(f"the child hung (killed after {timeout} s); stderr:\n{stderr[-6000:]}") from None
+    assert child.returncode == 0, f"rc={child.returncode}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    lines = stdout.strip().splitlines()
+    assert lines, stderr
+    return json.loads(lines[-1]), stderr
 
 
 def rank_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
@@ -603,20 +612,21 @@ def test_close_returns_only_once_no_scrape_thread_of_ours_runs(tmp_dir, serve_mo
 
 
 @contextlib.contextmanager
-def recording(exp: Exporter, serve_mode: str) -> Iterator[None]:
+def recording(exp: Exporter, serve_mode: str) -> Iterator[threading.Event]:
     """With an address server, ``exp`` records at 20 Hz meanwhile, as a job's ranks do (its store, gone with the
-    directory, is back at its next export; an idle rank's is not, and a server finding nothing to publish goes)."""
-    stop = threading.Event()
+    directory, is back at its next export), but while the Event it gives is set."""
+    stop, paused = threading.Event(), threading.Event()
 
     def tick() -> None:
         while not stop.wait(0.05):
-            exp.export_event(EventType.AGENT_TX_BYTES, 1)
+            if not paused.is_set():
+                exp.export_event(EventType.AGENT_TX_BYTES, 1)
 
     ticker = threading.Thread(target=tick, daemon=True)
     if serve_mode == "helper":
         ticker.start()
     try:
-        yield
+        yield paused
     finally:
         stop.set()
         if ticker.is_alive():
@@ -632,11 +642,12 @@ def test_replaced_directory_is_reported_and_reelected(tmp_dir, reaper, serve_mod
     port = free_port()
     lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
     caplog.set_level(logging.INFO, logger="nixl_prometheus_mp")  # (an address server logs at its rank's level)
-    with Exporter("first", exporter_env(tmp_dir, port)) as owner, recording(owner, serve_mode):
+    with Exporter("first", exporter_env(tmp_dir, port)) as owner, recording(owner, serve_mode) as paused:
         assert owner.serving
         doc = healthz(port)
         assert doc["warnings"] == []
         first_server = doc["owner"]["server_pid"]
+        paused.set()  # (the address server's next look finds the new directory empty: its rank has not recorded)
         shutil.rmtree(tmp_dir)
         tmp_dir.mkdir(mode=0o700)
         if serve_mode == "thread":
@@ -649,6 +660,13 @@ def test_replaced_directory_is_reported_and_reelected(tmp_dir, reaper, serve_mod
             assert "cannot bind" not in late.stderr()  # it lost the new election: no contradictory warning
             assert owner.serving and healthz(port)["owner"]["pid"] == os.getpid()
             return
+        # The server looks (within 10 s: a rank was live) and finds nothing: the rank is alive, its store back at
+        # its next export, so the server keeps the address for the TTL (it once gave it up here, the port refused
+        # until a standby took over, when its look fell between the removal and the rank's next export).
+        wait_until(lambda: any("was removed and recreated: its ranks are missing" in r.getMessage()
+                               for r in caplog.records), timeout=CHECK_S + DEADLINE_S, message="the server's look")
+        assert not can_bind(port) and f"giving 127.0.0.1:{port} up" not in caplog.text, caplog.text
+        paused.clear()
         wait_until(lambda: owner.store_path.exists(), message="the owner's store back at its next export")
         assert [r["pid"] for r in healthz(port)["live"]] == [os.getpid()]  # the same server, the new directory
         assert healthz(port)["owner"]["server_pid"] == first_server and owner.serving

@@ -213,7 +213,7 @@ class _Server:
         if self.channel is not None:
             poller.register(self.channel.fileno(), select.POLLIN)
         check_at = time.monotonic()
-        unlisted_since: float | None = None  # the directory could not be listed since then
+        lost_since: float | None = None  # the directory has been out of sight since then
         pong_owed = False
         while True:
             now = time.monotonic()
@@ -221,18 +221,26 @@ class _Server:
                 collection = self.collector.collect()
                 if self._replaced():
                     return "the directory was removed and recreated: the ranks of the new one take the address"
-                if collection.scan_error is not None:
-                    # Unlistable (removed, its permissions changed): /healthz says so with a 503.  Ranks may still
-                    # live and the directory come back; nothing comes back after the TTL.
-                    unlisted_since = now if unlisted_since is None else unlisted_since
-                    if now - unlisted_since >= self.args.stale_ttl_s:
-                        return f"{collection.scan_error} for the TTL"
+                left_s = None if collection.scan_error is not None else next_check_s(collection, self.args.stale_ttl_s)
+                lost = collection.scan_error or (None if self.election.path.exists() else "the directory was "
+                                                 "removed and recreated without our lock file")
+                if left_s is None and lost is not None:
+                    # Out of sight: unlistable (removed, its permissions changed; /healthz says so with a 503), or
+                    # recreated but not by a rank of a new run (that one would have made its lock file).  The
+                    # ranks may still live: each recreates its store at its next export, which a check between
+                    # the two would miss.  Nothing comes back after the TTL.
+                    if lost_since is None and collection.scan_error is None:  # (unlistable: /healthz's 503 says so)
+                        log.warning("%s was removed and recreated: its ranks are missing from /metrics until they "
+                                    "record again; %s is kept for them for the TTL (%g s), then given up",
+                                    self.args.directory, self.args.address, self.args.stale_ttl_s)
+                    lost_since = now if lost_since is None else lost_since
+                    if now - lost_since >= self.args.stale_ttl_s:
+                        return f"{lost} for the TTL"
                     check_at = now + MIN_CHECK_S
+                elif left_s is None:
+                    return "no rank is live and every departed rank's TTL has passed"
                 else:
-                    unlisted_since = None
-                    left_s = next_check_s(collection, self.args.stale_ttl_s)
-                    if left_s is None:
-                        return "no rank is live and every departed rank's TTL has passed"
+                    lost_since = None
                     check_at = now + left_s
             timeout_s = 0.05 if pong_owed else max(0.0, check_at - time.monotonic())
             events = dict(poller.poll(int(timeout_s * 1000) + 1))
