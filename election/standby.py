@@ -186,7 +186,11 @@ def _close_in_child() -> None:
     # description, which the parent's descriptor keeps), and a child must keep nothing that holds it.
     for waiter in list(_waiters):
         fd, waiter._fd = waiter._fd, None
-        waiter._detached.set()
+        # A new flag, set: the inherited one's lock may have been held by a parent thread at fork (its wait()
+        # and set() take it), and that holder does not exist here: setting it would hang the child for ever.
+        detached = threading.Event()
+        detached.set()
+        waiter._detached = detached
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)

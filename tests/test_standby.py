@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -162,3 +163,47 @@ def test_a_child_forked_while_the_parent_waits_holds_no_stake(lock_path: Path, r
         _, status = os.waitpid(pid, 0)
         waiter.detach()
     assert os.waitstatus_to_exitcode(status) == 10  # the child had no descriptor of the lock file
+
+
+def test_a_child_forked_while_a_parent_thread_holds_the_waiters_flag_does_not_hang(lock_path: Path, reaper) -> None:
+    """The child's fork hook marks each waiter detached.  A parent thread may be inside the flag's lock at the
+    fork (a waiter entering or leaving its back-off's wait, a detach): that thread does not exist in the child,
+    so the hook must not take the inherited lock.  (It did: a fork storm beside standbys hung a child for ever,
+    and its parent in waitpid.)  The window, microseconds wide in a real host, is held open here."""
+    holder = hold_flock(reaper, lock_path)
+    waiter = LockWaiter(lock_path, Taker(lock_path.parent), name="test-waiter", backoff_s=5.0)
+    waiter.start()
+    wait_until(lambda: _blocked_in_flock(lock_path), message="the waiter blocked in flock()")
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold_the_flags_lock() -> None:
+        with waiter._detached._cond:  # (threading.Event's lock, as its wait() and set() take it)
+            inside.set()
+            leave.wait(DEADLINE_S)
+
+    thread = threading.Thread(target=hold_the_flags_lock)
+    thread.start()
+    statuses: list[int] = []
+
+    def reaped() -> bool:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        statuses.extend([status] if done else [])
+        return bool(done)
+
+    try:
+        assert inside.wait(DEADLINE_S)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if waiter.detached else 1)  # (its hook ran: the waiter is detached here)
+        try:
+            wait_until(reaped, DEADLINE_S, message="the forked child to exit (it hangs if its hook takes the lock)")
+        finally:
+            if not statuses:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    finally:
+        leave.set()
+        thread.join(DEADLINE_S)
+        waiter.detach()
+        holder.kill()
+    assert os.waitstatus_to_exitcode(statuses[0]) == 0
