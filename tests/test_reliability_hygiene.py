@@ -38,10 +38,18 @@ def fd_count() -> int:
 
 
 def settled(fds: int, threads: int) -> None:
-    """Wait (bounded) until this process is back to ``fds`` descriptors and ``threads`` threads."""
-    wait_until(lambda: fd_count() <= fds and threading.active_count() <= threads, timeout=10,
-               message=f"descriptors back to {fds} (now {fd_count()}) and threads to {threads} "
-                       f"(now {threading.active_count()}: {[t.name for t in threading.enumerate()]})")
+    """Wait (bounded) until this process is back to ``fds`` descriptors and ``threads`` threads; if it never
+    is, say what is open and running at the end of the wait (not at its start)."""
+    try:
+        wait_until(lambda: fd_count() <= fds and threading.active_count() <= threads, timeout=20,
+                   message=f"descriptors back to {fds} and threads to {threads}")
+    except AssertionError as exc:
+        open_now = {}
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                open_now[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        raise AssertionError(f"{exc}: now {len(open_now)} descriptors {open_now} and threads "
+                             f"{[t.name for t in threading.enumerate()]}") from None
 
 
 def scrape_ok(port: int) -> bool:
