@@ -110,6 +110,15 @@ def can_bind(port: int, reuse: bool = True) -> bool:
 # -- bounded waits --------------------------------------------------------------------------------------------
 
 
+def open_fds() -> dict[int, str]:
+    """This process's descriptors and what each is open on."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (listdir's own, closed by now)
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return out
+
+
 def wait_until(condition: Callable[[], T], timeout: float = DEADLINE_S, interval: float = 0.02,
                message: str = "condition") -> T:
     """Call ``condition`` until it returns something truthy (returned); AssertionError after ``timeout`` s.

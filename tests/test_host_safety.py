@@ -37,6 +37,7 @@ from support import (
     http_request,
     listening_socket,
     metrics_url,
+    open_fds,
     start_exporter_rank,
     start_rank,
     wait_for_metrics,
@@ -503,15 +504,6 @@ def test_connection_without_a_thread_is_refused_and_the_endpoint_stays_up(tmp_di
 
 
 # -- item: an Exporter dropped without close() is released by the garbage collector --------------------------
-
-
-def open_fds() -> dict[int, str]:
-    """This process's descriptors and what each is open on."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):  # (listdir's own, closed by now)
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-    return out
 
 
 @pytest.mark.timeout(60)

@@ -59,7 +59,10 @@ from app.rank.exporter import create_exporter
 from election import lock_file_name
 from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
 
-pytestmark = pytest.mark.usefixtures("serve_mode")  # our ranks serve through an address server, and from a thread
+# The tests where our ranks serve the address run both ways (through an address server, and from a thread of the
+# rank: the `serve_mode` fixture); the environment and recording tables decide what a rank records and where,
+# which does not depend on how it is then served, so they run once, in the default mode.
+SERVED_BOTH_WAYS = pytest.mark.usefixtures("serve_mode")
 
 PY_ENV = {"NIXL_TELEMETRY_MP_STALE_TTL": str(STALE_TTL_S)}
 # The Python rank's events, and what they must show as (one agent, by sample name).
@@ -174,6 +177,7 @@ def end_python_owner(port: int, rank: ExporterRank, holder: int) -> None:
         os.kill(holder, signal.SIGKILL)
 
 
+@SERVED_BOTH_WAYS
 @pytest.mark.usefixtures("nixl_required")
 def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reaper: Reaper) -> None:
     """The aggregator pod: C++ and Python ranks write, gunicorn serves; exact values, live/stale per process;
@@ -236,6 +240,7 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
           f"(C++ agent pair created in {c0.create_s:.3f} s)")
 
 
+@SERVED_BOTH_WAYS
 @pytest.mark.usefixtures("nixl_required")
 def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) -> None:
     """C++ owner killed -> a Python rank serves; Python owner killed (helper mode: with its address server) -> a
@@ -275,6 +280,7 @@ def test_takeover_between_cpp_and_python_ranks(tmp_dir: Path, reaper: Reaper) ->
 # -- the same samples as the plug-in's own exposition -----------------------------------------------------------
 
 
+@SERVED_BOTH_WAYS
 @pytest.mark.usefixtures("nixl_required")
 def test_our_exposition_is_the_plugins_sample_for_sample(tmp_dir: Path, reaper: Reaper) -> None:
     """Over one directory (live and departed C++ stores, Python stores with default and custom buckets), our
@@ -550,6 +556,7 @@ def test_documented_differences(cpp_probe: CppEnvProbe, tmp_path: Path, variable
 # -- the example ------------------------------------------------------------------------------------------------
 
 
+@SERVED_BOTH_WAYS
 @pytest.mark.usefixtures("nixl_required")
 def test_example_script_is_served_with_the_totals_it_prints(tmp_dir: Path, reaper: Reaper) -> None:
     """examples/cpp_agents.py as docs/cpp-interop.md runs it: each JSON line it prints is what /metrics shows
@@ -580,6 +587,7 @@ def can_unshare_pid_namespace() -> bool:
         return False
 
 
+@SERVED_BOTH_WAYS
 @pytest.mark.usefixtures("nixl_required")
 @pytest.mark.skipif(not can_unshare_pid_namespace(), reason="creating a pid namespace needs root and unshare(1)")
 def test_restarted_rank_in_its_own_pid_namespace_is_published_once(tmp_dir: Path, reaper: Reaper) -> None:

@@ -21,6 +21,7 @@ from support import (
     free_port,
     http_request,
     metrics_url,
+    open_fds,
     wait_until,
     wait_until_settled,
 )
@@ -33,21 +34,14 @@ from store import EventType
 pytestmark = pytest.mark.reliability
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def settled(fds: int, threads: int) -> None:
     """Wait (bounded) until this process is back to ``fds`` descriptors and ``threads`` threads; if it never
     is, say what is open and running at the end of the wait (not at its start)."""
     try:
-        wait_until(lambda: fd_count() <= fds and threading.active_count() <= threads, timeout=20,
+        wait_until(lambda: len(open_fds()) <= fds and threading.active_count() <= threads, timeout=20,
                    message=f"descriptors back to {fds} and threads to {threads}")
     except AssertionError as exc:
-        open_now = {}
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                open_now[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        open_now = open_fds()
         raise AssertionError(f"{exc}: now {len(open_now)} descriptors {open_now} and threads "
                              f"{[t.name for t in threading.enumerate()]}") from None
 
@@ -82,7 +76,7 @@ def test_many_exporter_lifetimes_leak_no_descriptor_nor_thread(tmp_dir, serve_mo
     # in the baseline below rather than waited for.
     wait_until(lambda: [name for name in ours() if not name.startswith("nixl-standby-")] == [],
                timeout=DEADLINE_S * 2, message="the warm-up's serving threads to end")
-    fds0, threads0 = fd_count(), threading.active_count()
+    fds0, threads0 = len(open_fds()), threading.active_count()
 
     # Each one wins the election, binds, serves (from a thread, or starts its address server) and gives it all
     # back (an address server goes by itself once nothing is live: a second or so per lifetime).
@@ -101,7 +95,7 @@ def test_many_exporter_lifetimes_leak_no_descriptor_nor_thread(tmp_dir, serve_mo
     with Exporter("holder", env) as holder:  # now 200 writer-only lifetimes beside a serving owner
         assert holder.serving
         wait_until_settled(port, env)
-        fds, threads = fd_count(), threading.active_count()
+        fds, threads = len(open_fds()), threading.active_count()
         for cycle in range(200):
             with Exporter(f"writer-{cycle}", env) as exp:
                 assert not exp.serving
@@ -122,7 +116,7 @@ def test_many_exporter_lifetimes_leak_no_descriptor_nor_thread(tmp_dir, serve_mo
 def test_concurrent_close_is_idempotent_and_leaves_nothing_running(tmp_dir, serve_mode):
     port = free_port()
     baseline_threads = set(threading.enumerate())  # the threads themselves: the OS reuses a dead thread's ident
-    fds = fd_count()
+    fds = len(open_fds())
     exp = Exporter("closing", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="0"))
     assert exp.serving
     lock = tmp_dir / lock_file_name(exp.address)
@@ -181,5 +175,5 @@ def test_concurrent_close_is_idempotent_and_leaves_nothing_running(tmp_dir, serv
     slow.close()
     wait_until(lambda: set(threading.enumerate()) <= baseline_threads, timeout=10,
                message="every thread the exporter started to end")
-    assert fd_count() <= fds
+    assert len(open_fds()) <= fds
     assert not [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
