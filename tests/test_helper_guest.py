@@ -511,10 +511,10 @@ def test_a_server_that_cannot_start_for_want_of_processes_is_tried_again(unprivi
 
         # Tried again as it records: a shortage leaves the election to another rank, and this rank retries every
         # 5 s (claims.BACKOFF_NS), never in a tight loop.
-        wait_until(lambda: tried(3), 2 * 5.0 + DEADLINE_S, interval=0.2, message="the start tried again and again")
+        wait_until(lambda: tried(2), 5.0 + DEADLINE_S, interval=0.2, message="the start tried again")
         stderr = process.stderr_text()
         said = [line for line in stderr.splitlines() if "Resource temporarily unavailable" in line]
-        assert said and len(said) == len(set(said)), stderr  # said, and each thing once however often it failed
+        assert said and len(said) == len(set(said)), stderr  # said, and each thing once though it failed twice
         assert any(line.startswith("WARNING") and "the address server" in line for line in said), stderr
         process.send("lift")
         process.readline()
