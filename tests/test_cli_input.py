@@ -211,16 +211,21 @@ def server_log(directory: Path, port: int) -> str:
     return (directory / f"nixl-server.127.0.0.1:{port}.log").read_text()
 
 
-def test_demo_removes_only_the_directory_it_created(cli: list[str], tmp_path: Path) -> None:
+# The demo's directories do not depend on how it was started: these run it one way (the entry points' tests
+# above run both).
+DEMO = COMMANDS["module"]
+
+
+def test_demo_removes_only_the_directory_it_created(tmp_path: Path) -> None:
     # A short TTL: at the end the demo waits for its address server to publish the final values until the TTL (the
     # ranks are gone by then, and the server logs to its file).
     env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="2")
-    done = run(cli, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50", env=env)
+    done = run(DEMO, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50", env=env)
     assert done.returncode == 0, done.stderr
     assert "ranks recording into" in done.stdout and os.listdir(tmp_path / "tmp") == [], done.stdout
 
     given, port = tmp_path / "given", free_port()
-    done = run(cli, "demo", "--ranks", "2", "--port", str(port), "--duration", "1", "--rate", "50",
+    done = run(DEMO, "demo", "--ranks", "2", "--port", str(port), "--duration", "1", "--rate", "50",
                "--dir", str(given), env=env)
     assert done.returncode == 0, done.stderr
     # A --dir is the user's: kept, with what the run left there.  The stores the address server reaped after
@@ -230,10 +235,10 @@ def test_demo_removes_only_the_directory_it_created(cli: list[str], tmp_path: Pa
     assert "agent 'demo-agent-0'" in log and "agent 'demo-agent-1'" in log, log
 
 
-def test_demo_with_a_relative_dir_gives_the_ranks_an_absolute_one(cli: list[str], tmp_path: Path) -> None:
+def test_demo_with_a_relative_dir_gives_the_ranks_an_absolute_one(tmp_path: Path) -> None:
     """The rank's store, and the address server (which runs in /), are in tmp_path/rel."""
     port = free_port()
-    done = run(cli, "demo", "--ranks", "1", "--port", str(port), "--duration", "1", "--dir", "rel",
+    done = run(DEMO, "demo", "--ranks", "1", "--port", str(port), "--duration", "1", "--dir", "rel",
                env=demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="2"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert f"recording into {tmp_path / 'rel'};" in done.stdout, done.stdout
@@ -248,7 +253,7 @@ def test_demo_totals_never_go_back_when_a_departed_store_is_reaped(tmp_path: Pat
     directory, port = tmp_path / "mp", free_port()
     env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="1")
     with reaper() as r:
-        demo = r.start([*COMMANDS["module"], "demo", "--ranks", "1", "--rate", "2", "--port", str(port),
+        demo = r.start([*DEMO, "demo", "--ranks", "1", "--rate", "2", "--port", str(port),
                         "--dir", str(directory)], env)
         demo.wait_line(lambda line: "ranks recording into" in line, 30)
         departed = StoreWriter(directory, StoreIdentity("departed", "host", "9", 0, (10.0,)))
