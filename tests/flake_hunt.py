@@ -7,9 +7,10 @@ release::
     .venv/bin/python tests/flake_hunt.py --runs 5 --burners 1 tests/test_address_server.py tests/test_http.py
     .venv/bin/python tests/flake_hunt.py --runs 3 --burners 1 --workers 2      # the whole suite
 
-Each run is one pytest process (``-n WORKERS`` when asked) with a JUnit report; the burners are processes
-spinning on the CPU for as long as the runs last, as a loaded CI machine would.  The report names each test
-that failed, how many runs it failed in, and the start of its failure; the exit status is 1 if any did.
+Each run is one pytest process (``-n WORKERS --dist loadfile`` when asked, as .ci/run's are) with a JUnit
+report; the burners are processes spinning on the CPU for as long as the runs last, as a loaded CI machine would.
+The report names each test that failed, how many runs it failed in, and the start of its failure; the exit
+status is 1 if any did.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="*", help="test files or node ids (default: the whole suite)")
     parser.add_argument("--runs", type=int, default=5, help="how many times to run them (default 5)")
     parser.add_argument("--burners", type=int, default=1, help="CPU-burning processes beside the runs (default 1)")
-    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers per run (default: none)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="pytest-xdist workers per run, each taking whole files as .ci/run's do (default: none)")
     args = parser.parse_args(argv)
     burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(args.burners)]
     counts: collections.Counter[str] = collections.Counter()
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             for run in range(1, args.runs + 1):
                 report = Path(tmp) / f"run-{run}.xml"
                 command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                           *(["-n", str(args.workers)] if args.workers else []), *args.files]
+                           *(["-n", str(args.workers), "--dist", "loadfile"] if args.workers else []), *args.files]
                 done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
                 failed = _failures(report) if report.exists() else {"(pytest)": done.stdout[-3000:]}
