@@ -4,9 +4,10 @@ A daemon may run with descriptors 0-2 closed, and the kernel hands out the lowes
 a store, a listener opened then would sit where the host (or anything it starts) reads its input or writes
 its output and errors, and the host's next ``print`` or log line would land in our file.  So every
 descriptor this package keeps is moved to 3 or above the moment it exists (``F_DUPFD_CLOEXEC``), and the
-low number is closed again.  Between the two calls (a few microseconds) the low number is ours; nothing of
-ours writes through it meanwhile.  A call that makes a descriptor we never see (``mmap.mmap`` keeps a
-duplicate of the file's) runs while 0-2 are all open instead: :func:`stdio_occupied`.
+low number is closed again.  Between the two calls (a few microseconds, or as long as another thread holds
+the GIL) the low number is ours; nothing of ours writes through it meanwhile.  A call that makes a descriptor
+we never see (``mmap.mmap`` keeps a duplicate of the file's) runs while 0-2 are all open instead:
+:func:`stdio_occupied`.
 """
 
 from __future__ import annotations

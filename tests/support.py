@@ -110,13 +110,30 @@ def can_bind(port: int, reuse: bool = True) -> bool:
 # -- bounded waits --------------------------------------------------------------------------------------------
 
 
-def open_fds() -> dict[int, str]:
-    """This process's descriptors and what each is open on."""
+def open_fds(pid: int | str = "self") -> dict[int, str]:
+    """Process ``pid``'s descriptors (this process's by default) and what each is open on."""
     out = {}
-    for name in os.listdir("/proc/self/fd"):
+    for name in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):  # (listdir's own, closed by now)
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+            out[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
     return out
+
+
+def watches(server_pid: int, pid: int | str = "self") -> bool:
+    """Whether process ``pid`` (this one by default) watches ``server_pid`` through one pidfd, numbered 3 or above.
+
+    A rank's carrier opens it when its address server says it is ready, which is after that server answers
+    (its /healthz may come first), then moves it above 0-2: a test that counts the rank's descriptors, or looks
+    at 0-2, waits for this first.
+    """
+    fds = []
+    for fd, target in open_fds(pid).items():
+        if target == "anon_inode:[pidfd]":
+            with contextlib.suppress(OSError):  # (closed meanwhile)
+                info = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines())
+                if int(info["Pid"]) == server_pid:
+                    fds.append(fd)
+    return len(fds) == 1 and fds[0] >= 3
 
 
 def wait_until(condition: Callable[[], T], timeout: float = DEADLINE_S, interval: float = 0.02,
@@ -215,10 +232,18 @@ def try_scrape(port: int, timeout: float = 2.0) -> str | None:
 def wait_until_settled(port: int, environ: Mapping[str, str] | None = None, timeout: float = START_DEADLINE_S) -> None:
     """Wait (bounded) until the owner on ``port`` serves the way it will go on serving: from its helper (unless
     NIXL_PROMETHEUS_MP_SERVE=thread in ``environ``, default os.environ), whose start changes the owner's threads and
-    descriptors (a test counting them takes its baseline after this)."""
+    descriptors (a test counting them takes its baseline after this), and, if this process started that helper,
+    until this process watches it."""
     env = os.environ if environ is None else environ
     final = "thread" if env.get(SERVE_ENV) == "thread" else "helper"
-    wait_until(lambda: healthz(port)["owner"]["serving"] == final, timeout, message=f"the owner serving from a {final}")
+
+    def settled() -> bool:
+        owner = healthz(port)["owner"]
+        # A server this process started is watched by its carrier through a pidfd, opened once the server said it
+        # is ready (after it answers): one descriptor more, which a baseline taken before it would count as leaked.
+        return owner["serving"] == final and (final == "thread" or owner["started_by"] != os.getpid()
+                                              or watches(owner["server_pid"]))
+    wait_until(settled, timeout, message=f"the owner serving from a {final}")
 
 
 def wait_for_metrics(port: int, timeout: float = DEADLINE_S) -> str:

@@ -44,6 +44,7 @@ from support import (  # noqa: F401  (pytest fixtures)
     start_exporter_rank,
     start_rank,
     wait_until,
+    watches,
 )
 
 from app.probe import is_address_server
@@ -264,11 +265,17 @@ def test_no_descriptor_of_ours_lands_on_0_1_or_2(tmp_dir: Path, reaper: Reaper, 
         assert sorted(int(fd) for fd in found) == left_open, found
         return left_open
 
+    def watched(server: int) -> None:
+        """Wait for the rank's pidfd of its server: opened once the server said it is ready, after it answers, and
+        moved above 2 (in between, for as long as the rank's other threads hold the GIL, it may be on 0-2)."""
+        wait_until(lambda: watches(server, pid), message=f"rank {pid} to watch its address server {server}")
+
     if serve_mode == "helper":
         server = served_by_server_of(port, pid)
+        watched(server)
         assert low_fds() == left_open
         os.kill(server, signal.SIGKILL)  # a new start, by the rank's standby: a pidfd, a channel, Popen's pipes
-        served_by_server_of(port, pid, not_in=(server,))
+        watched(served_by_server_of(port, pid, not_in=(server,)))
     else:
         wait_until(lambda: owner(port)["serving"] == "thread", message="served")
     assert low_fds() == left_open
