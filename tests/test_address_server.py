@@ -234,9 +234,12 @@ def test_a_killed_server_is_replaced_by_a_standby_and_a_stopped_one_too(tmp_dir:
     # Stopped (a debugger): the rank that started it kills it once it has not answered for 2 s.
     os.kill(second, signal.SIGSTOP)
     try:
-        wait_until(lambda: _owner(port)["server_pid"] not in (first, second), timeout=DEADLINE_S + 5,
+        # The kill first (no request waits on it), then the new server: until then each look waits out its 5 s
+        # timeout in the stopped server's backlog, and a standby starts a fresh interpreter (one CI run under
+        # load, on the pure-Python twins, took more than 15 s for both): a failure says which did not come.
+        wait_until(lambda: _zombie(second), timeout=DEADLINE_S + 5, message="the stopped server killed")
+        wait_until(lambda: _owner(port)["server_pid"] not in (first, second), timeout=START_DEADLINE_S + DEADLINE_S,
                    message="a new server after SIGSTOP")
-        wait_until(lambda: _zombie(second), message="the stopped server killed")
     finally:
         os.kill(second, signal.SIGCONT)  # (a zombie by now, unless the test failed)
     assert sorted(_counts(try_scrape(port))) == sorted(r.pid for r in ranks)
