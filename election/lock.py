@@ -11,6 +11,7 @@ old one, and two owners would serve.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -207,10 +208,23 @@ class OwnerElection:
         self.held = False
         self._close_fd()
 
-    def hand_off(self) -> None:
-        """Leave the election to the other holder of our open file description (a serving helper that
-        stays on): our descriptor goes, the lock stays, for the same reason as forget_after_fork."""
+    def hand_off(self) -> int | None:
+        """Leave the election to the other holder of our open file description (an address server that
+        stays on): our descriptor goes, the lock stays, for the same reason as forget_after_fork.
+
+        Returns a new open file description of the file we held, holding nothing, for a standby that waits for
+        that holder's release (None where it cannot be had).  Reopened now, while our descriptor keeps the file,
+        it names the file the holder locks even if the directory is replaced before the standby waits: opening
+        the path then would make a lock file in the new directory, free to win, and a rank of this run would
+        contend with its own server for the address.
+        """
+        fd = self._fd if self.held else None
+        reopened = None
+        if fd is not None:
+            with contextlib.suppress(OSError):  # no /proc, out of descriptors: the standby opens the path instead
+                reopened = above_stdio(os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY))
         self.forget_after_fork()
+        return reopened
 
     def _close_fd(self) -> None:
         # Forget the number before closing it: a fork landing in between must

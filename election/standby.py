@@ -60,11 +60,16 @@ class LockWaiter:
     taking and conceding).
     """
 
-    def __init__(self, path: Path, on_won: Callable[[LockWaiter], None], *, name: str, backoff_s: float) -> None:
+    def __init__(self, path: Path, on_won: Callable[[LockWaiter], None], *, name: str, backoff_s: float,
+                 first: int | None = None) -> None:
         self.path = path
         self._on_won = on_won
         self._backoff_s = backoff_s
         self._fd: int | None = None  # ours while recorded here; the thread alone closes it
+        # What to wait on next instead of opening the path: a description of the lock file an endpoint of ours
+        # just handed to its server (OwnerElection.hand_off), which names that server's lock however the
+        # directory changes meanwhile.  It holds nothing: a copy in a child forked meanwhile holds nothing either.
+        self._next = first
         self._detached = threading.Event()
         self._ended = False  # the thread has returned, or is about to: attach() cannot revive it
         self.problem: str | None = None  # why the lock file could not be opened (the thread then ended)
@@ -82,7 +87,11 @@ class LockWaiter:
     def start(self) -> None:
         """Start waiting (RuntimeError where the process is out of threads)."""
         _waiters.add(self)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError:
+            self._close_next()
+            raise
 
     def hand_over(self) -> int | None:
         """(From ``on_won``) the descriptor holding the lock, now the caller's; None once detached.
@@ -96,13 +105,17 @@ class LockWaiter:
             fd, self._fd = self._fd, None
         return fd
 
-    def attach(self) -> bool:
-        """Wait for the lock again after a detach() (someone stands by anew): the parked thread is reused, so a
-        process has one waiter per lock file however often its Exporters come and go.  False once the thread
-        has ended (start a new waiter)."""
+    def attach(self, first: int | None = None) -> bool:
+        """Wait for the lock again after a detach() (someone stands by anew), on ``first`` if given (taken, see
+        the constructor): the parked thread is reused, so a process has one waiter per lock file however often
+        its Exporters come and go.  False once the thread has ended (start a new waiter; ``first`` stays the
+        caller's)."""
         with _guard.lock:
             if self._ended:
                 return False
+            if first is not None:
+                self._close_next()
+                self._next = first
             self._detached.clear()
             return True
 
@@ -126,6 +139,7 @@ class LockWaiter:
             self._wait_and_offer()
         finally:
             self._close()
+            self._close_next()
 
     def _wait_and_offer(self) -> None:
         while True:
@@ -134,7 +148,8 @@ class LockWaiter:
                     self._ended = True  # decided under the lock attach() takes: it either revives us or sees this
                     return
                 try:
-                    self._fd = open_lock_file(self.path)
+                    self._fd = self._next if self._next is not None else open_lock_file(self.path)
+                    self._next = None
                 except OSError as exc:
                     # Unusable (or out of descriptors): the export path's election covers that case, and says why.
                     self.problem = os.strerror(exc.errno) if exc.errno in SCARCE else str(exc)
@@ -176,9 +191,18 @@ class LockWaiter:
     def _close(self) -> None:
         with _guard.lock:
             fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close_quietly(fd)
+
+    def _close_next(self) -> None:
+        with _guard.lock:
+            fd, self._next = self._next, None
+        _close_quietly(fd)
+
+
+def _close_quietly(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _close_in_child() -> None:
@@ -186,14 +210,14 @@ def _close_in_child() -> None:
     # description, which the parent's descriptor keeps), and a child must keep nothing that holds it.
     for waiter in list(_waiters):
         fd, waiter._fd = waiter._fd, None
+        _close_quietly(waiter._next)
+        waiter._next = None
         # A new flag, set: the inherited one's lock may have been held by a parent thread at fork (its wait()
         # and set() take it), and that holder does not exist here: setting it would hang the child for ever.
         detached = threading.Event()
         detached.set()
         waiter._detached = detached
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close_quietly(fd)
     _waiters.clear()
 
 

@@ -51,6 +51,8 @@ from app import Exporter
 from app.address.server import CHECK_S
 from app.probe import is_address_server, listening_pids
 from election import lock_file_name
+from election.lock import flock_entries
+from election.standby import holding_off_fork as holding_off_waiter_fork
 from store import EventType
 
 pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("serve_mode")]  # both ways of serving
@@ -673,12 +675,17 @@ def test_replaced_directory_is_reported_and_reelected(tmp_dir, reaper, serve_mod
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("new_lock_file", [False, True], ids=["empty", "with-a-lock-file"])
 def test_an_address_server_keeps_the_address_while_the_replaced_directorys_ranks_record_again(
-        tmp_dir, serve_mode, caplog):
+        tmp_dir, serve_mode, caplog, new_lock_file):
     """An address server that looks at its recreated directory before its rank has recorded there again finds
     nothing, though the rank lives: it keeps the address for the TTL, and serves the rank's store once it is
     back.  (It once gave the address up at that look: scrapes refused until a standby started another server.)
-    The rank pauses across the server's look, which a real rank's export pace makes rare but possible."""
+    The rank pauses across the server's look, which a real rank's export pace makes rare but possible.
+
+    A lock file in the new directory changes nothing: whoever elected there and gave it back (a C++ rank of
+    the run re-electing as it exports, a standby that opened the path after the removal) did not ask for the
+    port.  (The server once took that file for a new run's and gave the address up unasked.)"""
     if serve_mode == "thread":
         pytest.skip("no address server: the serving rank re-elects itself (the test above)")
     port = free_port()
@@ -688,6 +695,10 @@ def test_an_address_server_keeps_the_address_while_the_replaced_directorys_ranks
         pause(True)
         shutil.rmtree(tmp_dir)
         tmp_dir.mkdir(mode=0o700)
+        if new_lock_file:
+            lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+            lock.touch(mode=0o600)
+            assert lock_is_free(lock)  # made, and nobody holds it
         # Its next look (within 10 s: a rank was live) finds the directory empty and says so.
         wait_until(lambda: "was removed and recreated: its ranks are missing" in caplog.text,
                    timeout=CHECK_S + DEADLINE_S, message="the server's look at the empty directory")
@@ -696,6 +707,37 @@ def test_an_address_server_keeps_the_address_while_the_replaced_directorys_ranks
         wait_until(lambda: owner.store_path.exists(), message="the owner's store back at its next export")
         doc = wait_until(lambda: (d := healthz(port))["live"] and d, message="the store served again")
         assert [r["pid"] for r in doc["live"]] == [os.getpid()] and doc["owner"]["server_pid"] == server, doc
+
+
+@pytest.mark.timeout(90)
+def test_the_rank_that_started_a_server_waits_on_its_lock_even_once_the_directory_is_replaced(tmp_dir, serve_mode):
+    """The rank that started the address server stands by for that server's death: it waits on the lock file
+    the server holds, not on the file at the path when its standby's thread first gets to run.  Here that thread
+    runs only after the directory was replaced (held off as a fork holds it off).  (It once opened the path
+    then, made a lock file in the new directory and won it: the server took it for a new run's and gave the
+    address up, or the rank, once its store was back, asked the server for the port and started a second.)"""
+    if serve_mode == "thread":
+        pytest.skip("no address server: the serving rank holds the lock itself")
+    port = free_port()
+    lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
+    with holding_off_waiter_fork():  # the standby's thread cannot open a lock file until the block ends
+        owner = Exporter("first", exporter_env(tmp_dir, port))
+        try:
+            assert owner.serving
+            held = os.stat(lock)
+            shutil.rmtree(tmp_dir)
+            tmp_dir.mkdir(mode=0o700)
+        except BaseException:
+            owner.close()
+            raise
+    with owner:
+        server = healthz(port)["owner"]["server_pid"]
+        # The old directory's lock file is still locked (by the server; the kernel names the rank that took it).
+        assert (False, os.getpid()) in flock_entries(held)
+        wait_until(lambda: (True, os.getpid()) in flock_entries(held),
+                   message="the rank's standby waiting on the server's lock file")
+        assert not lock.exists(), "the rank's standby made a lock file in the new directory"
+        assert healthz(port)["owner"]["server_pid"] == server
 
 
 @pytest.mark.timeout(90)

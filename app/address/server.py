@@ -13,6 +13,8 @@ then on this process alone holds the address.  It belongs to the job, not to the
   the last departed store's TTL runs out otherwise.  No polling in between.
 * **It gives the port up to a new run** of another directory (SIGUSR1 from that run's rank, which found the
   port held): at once if nothing here is live, else it keeps it and the newcomer warns naming this process.
+  Of its own directory removed and recreated, it gives the port up to the rank elected on the new lock file,
+  when that rank asks, and only then: a lock file there says nobody wants the port until someone asks.
 * **Its logs** go to the rank that started it while that rank holds the channel, then to a bounded file in the
   directory (LOG_NAME), which /healthz names.  Never to a terminal: its stdout and stderr are /dev/null.
 * **A stopped server is replaced** by the rank that started it, which pings it over the channel (it answers
@@ -219,16 +221,16 @@ class _Server:
             now = time.monotonic()
             if now >= check_at:
                 collection = self.collector.collect()
-                if self._replaced():
-                    return "the directory was removed and recreated: the ranks of the new one take the address"
                 left_s = None if collection.scan_error is not None else next_check_s(collection, self.args.stale_ttl_s)
-                lost = collection.scan_error or (None if self.election.path.exists() else "the directory was "
-                                                 "removed and recreated without our lock file")
+                # A lock file at our path that is not ours does not make us leave: a rank of a new run elected on
+                # it asks for the port (SIGUSR1, below) once its store is there to publish; another process may
+                # have made it and let it go (a C++ rank re-electing as it exports) and asks nothing.
+                lost = collection.scan_error or ("the directory was removed and recreated"
+                                                 if self.election.lock_file_replaced() else None)
                 if left_s is None and lost is not None:
                     # Out of sight: unlistable (removed, its permissions changed; /healthz says so with a 503), or
-                    # recreated but not by a rank of a new run (that one would have made its lock file).  The
-                    # ranks may still live: each recreates its store at its next export, which a check between
-                    # the two would miss.  Nothing comes back after the TTL.
+                    # recreated and nothing in it yet.  The ranks may still live: each recreates its store at its
+                    # next export, which a check between the two would miss.  Nothing comes back after the TTL.
                     if lost_since is None and collection.scan_error is None:  # (unlistable: /healthz's 503 says so)
                         log.warning("%s was removed and recreated: its ranks are missing from /metrics until they "
                                     "record again; %s is kept for them for the TTL (%g s), then given up",

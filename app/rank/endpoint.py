@@ -103,6 +103,7 @@ class ScrapeEndpoint:
         self._closing = threading.Event()  # wakes a start that waits out its back-off
         self._log = ClaimLog(election, port)
         self._carrier: Carrier | None = None  # the server this rank started, while both live
+        self._server_lock: int | None = None  # what our standby waits on: see take_server_lock
         self._failures = 0  # starts in a row whose server died before it was ready
         self._retry_at_ns = 0  # (CLOCK_MONOTONIC) no start before this
         self._server: BoundedServer | None = None  # thread mode: our server and listener
@@ -136,6 +137,12 @@ class ScrapeEndpoint:
     def stands_by_after_takeover(self) -> bool:
         """(standby.Standing) A rank that handed the address to a server waits for that server's death."""
         return self._listener is None and not self._closed
+
+    def take_server_lock(self) -> int | None:
+        """(standby.Standing) A new description of the lock file just handed to our server, holding nothing: our
+        standby waits on it for that server's death, whatever file the path names by then (see hand_off)."""
+        fd, self._server_lock = self._server_lock, None
+        return fd
 
     def claim(self, now_ns: int | None = None) -> int:
         """Run the election (and take the address over if won); returns when to try again (ns).
@@ -265,7 +272,8 @@ class ScrapeEndpoint:
             return TakeOver(Claim.SHORT, reason=f"the address server cannot be started: {failure.words}")
         # The server holds them now (queued on its channel): our copies go, the lock and the port stay.
         close_listener(listener)
-        self.election.hand_off()
+        self._drop_server_lock()
+        self._server_lock = self.election.hand_off()
         self.serving_since = since
         self._carrier = carrier
         try:
@@ -379,6 +387,7 @@ class ScrapeEndpoint:
         server, self._server = self._server, None
         listener, self._listener = self._listener, None
         self.serving_since = self.replaced_at = None
+        self._drop_server_lock()
         if carrier is not None:
             carrier.close()
         if server is not None:
@@ -395,7 +404,14 @@ class ScrapeEndpoint:
         self._lock = threading.RLock()
         self._carrier = self._server = self._listener = None
         self.serving_since = self.replaced_at = None
+        self._drop_server_lock()  # (the child's copy: it holds nothing, and the parent's stays)
         self.election.forget_after_fork()
+
+    def _drop_server_lock(self) -> None:
+        fd = self.take_server_lock()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _failure(exc: BaseException) -> TakeOver:

@@ -12,6 +12,7 @@ own death or close() never moves the address.  A stopped server is the carrier's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -51,6 +52,9 @@ class Standing(Protocol):
     def take_over_from(self, waiter: LockWaiter) -> bool:
         """Serve with the lock ``waiter`` holds; False to turn it down (closed, already serving, cannot bind)."""
 
+    def take_server_lock(self) -> int | None:
+        """A description of the lock file it just handed to its server, to wait on (once; None: the path's)."""
+
 
 _lock = threading.RLock()
 _standing: list[Standing] = []
@@ -64,20 +68,28 @@ def stand_by(endpoint: Standing) -> None:
         return
     if not _lock.acquire(timeout=_LOCK_WAIT_S):
         return  # the export path's election still runs: the next one stands by
+    # An endpoint that just handed its lock to a server waits for that server's death: on the file the server
+    # locks, which the path may no longer name once the waiter's thread runs (the directory replaced).
+    first = endpoint.take_server_lock()
     try:
         if not any(e is endpoint for e in _standing):
             _standing.append(endpoint)
         path = endpoint.lock_path
         waiter = _waiters.get(path)
-        if waiter is not None and (waiter.waiting or waiter.attach()):
-            return  # (attach: the thread parked since the last one stood down waits for us instead)
+        if waiter is not None and waiter.waiting:
+            return  # (another endpoint of ours waits already, on the file the path named then)
+        if waiter is not None and waiter.attach(first):
+            first = None
+            return  # the thread parked since the last one stood down waits for us instead
         now = time.monotonic()
         if waiter is not None and waiter.problem is not None:
             _failed_at.setdefault(path, now)  # it could not open the lock file: not again at every export
         if now - _failed_at.get(path, now - RESTART_AFTER_S) < RESTART_AFTER_S:
             return
         _failed_at.pop(path, None)
-        waiter = LockWaiter(path, _offer, name=f"nixl-standby-{path.name}", backoff_s=CONCEDE_BACKOFF_S)
+        waiter = LockWaiter(path, _offer, name=f"nixl-standby-{path.name}", backoff_s=CONCEDE_BACKOFF_S,
+                            first=first)
+        first = None  # the waiter's now (it closes it if it cannot start)
         try:
             waiter.start()
         except RuntimeError as exc:  # out of threads: the export path's election covers this process
@@ -88,6 +100,9 @@ def stand_by(endpoint: Standing) -> None:
         _waiters[path] = waiter
     finally:
         _lock.release()
+        if first is not None:
+            with contextlib.suppress(OSError):
+                os.close(first)
 
 
 def stand_down(endpoint: Standing) -> None:
