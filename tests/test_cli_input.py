@@ -251,7 +251,9 @@ def test_demo_with_a_relative_dir_gives_the_ranks_an_absolute_one(tmp_path: Path
 def test_demo_totals_never_go_back_when_a_departed_store_is_reaped(tmp_path: Path) -> None:
     """A departed rank's store is reaped after the TTL; the demo's totals must not drop by its values."""
     directory, port = tmp_path / "mp", free_port()
-    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="1")
+    # A TTL of several of the demo's 1 s progress lines: the departed store must be seen before it is reaped
+    # (with 1 s, a loaded demo once drew its next line after the reaping, and never counted the store).
+    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="3")
     with reaper() as r:
         demo = r.start([*DEMO, "demo", "--ranks", "1", "--rate", "2", "--port", str(port),
                         "--dir", str(directory)], env)
