@@ -26,7 +26,6 @@ Two properties make a waiter safe in someone else's process:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from election.lock import SCARCE, flock_entries, open_lock_file
-from store.fds import open_above_stdio
+from store.fds import close_quietly, open_above_stdio
 from store.forkguard import ForkGuard
 
 try:
@@ -191,18 +190,12 @@ class LockWaiter:
     def _close(self) -> None:
         with _guard.lock:
             fd, self._fd = self._fd, None
-        _close_quietly(fd)
+        close_quietly(fd)
 
     def _close_next(self) -> None:
         with _guard.lock:
             fd, self._next = self._next, None
-        _close_quietly(fd)
-
-
-def _close_quietly(fd: int | None) -> None:
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        close_quietly(fd)
 
 
 def _close_in_child() -> None:
@@ -210,14 +203,14 @@ def _close_in_child() -> None:
     # description, which the parent's descriptor keeps), and a child must keep nothing that holds it.
     for waiter in list(_waiters):
         fd, waiter._fd = waiter._fd, None
-        _close_quietly(waiter._next)
+        close_quietly(waiter._next)
         waiter._next = None
         # A new flag, set: the inherited one's lock may have been held by a parent thread at fork (its wait()
         # and set() take it), and that holder does not exist here: setting it would hang the child for ever.
         detached = threading.Event()
         detached.set()
         waiter._detached = detached
-        _close_quietly(fd)
+        close_quietly(fd)
     _waiters.clear()
 
 

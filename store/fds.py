@@ -36,6 +36,15 @@ def above_stdio(fd: int) -> int:
     return moved
 
 
+def close_quietly(fd: int | None) -> None:
+    """Close ``fd`` if it is one (``None`` or negative: nothing to close), whatever the close says: on the
+    paths that drop a descriptor (teardown, a fork's child, a failed start) a close that fails has nothing
+    left to undo, and raising there would skip the releases that follow it."""
+    if fd is not None and fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def open_above_stdio(path: str | os.PathLike[str], flags: int, mode: int = 0o777, *,
                      dir_fd: int | None = None) -> int:
     """``os.open``, the descriptor numbered 3 or above."""

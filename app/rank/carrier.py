@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from app.channel import ERROR, LOG, MAX_MESSAGE, PING, PONG, READY, decode_record
 from app.rank.spawn import Launched
-from store.fds import above_stdio
+from store.fds import above_stdio, close_quietly
 
 log = logging.getLogger("nixl_prometheus_mp.helper")
 
@@ -78,9 +78,7 @@ class Carrier:
         self._closing = True
         self._launched.launcher.returncode = 0  # not this process's child: Popen must never wait for it here
         for fd in (self._pidfd, self._launched.launcher_fd, self._wake_r, self._wake_w):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            close_quietly(fd)
         self._pidfd = self._launched.launcher_fd = self._wake_r = self._wake_w = -1
         with contextlib.suppress(OSError):
             self._launched.channel.close()
@@ -96,8 +94,7 @@ class Carrier:
         finally:
             self._launched.reap_launcher(block=True)  # it forks and exits at once: never waits long
             for fd in (self._pidfd, self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                close_quietly(fd)
             self._pidfd = self._wake_r = self._wake_w = -1
             with contextlib.suppress(OSError):
                 self._launched.channel.close()  # the server logs to its file from now on

@@ -54,6 +54,7 @@ from election import Outcome, OwnerElection
 from election.lock import SCARCE
 from election.standby import LockWaiter
 from election.standby import holding_off_fork as holding_off_waiter_fork
+from store.fds import close_quietly
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -408,10 +409,7 @@ class ScrapeEndpoint:
         self.election.forget_after_fork()
 
     def _drop_server_lock(self) -> None:
-        fd = self.take_server_lock()
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_quietly(self.take_server_lock())
 
 
 def _failure(exc: BaseException) -> TakeOver:

@@ -12,7 +12,6 @@ own death or close() never moves the address.  A stopped server is the carrier's
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from election.standby import LockWaiter
+from store.fds import close_quietly
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
 
@@ -100,9 +100,7 @@ def stand_by(endpoint: Standing) -> None:
         _waiters[path] = waiter
     finally:
         _lock.release()
-        if first is not None:
-            with contextlib.suppress(OSError):
-                os.close(first)
+        close_quietly(first)
 
 
 def stand_down(endpoint: Standing) -> None:
