@@ -53,10 +53,23 @@ def expected(rank: int) -> dict[str, float]:
     }
 
 
+# The children a test reads through Proc write their stderr into the same pipe as their stdout, and this
+# machine's environment (CI's too) has PYTHONUNBUFFERED=1, under which print() writes its text and its newline
+# in two write(2) calls: a log line of another thread (the library's, http.server's) landed between them once,
+# and the line a test waited for never came ("ready127.0.0.1 - - ..."). One write(2) of a whole line, well
+# under PIPE_BUF, is never split.
+SAY_CODE = """
+import os
+def say(line):
+    os.write(1, (line + "\\n").encode())
+"""
+
+
 # A rank: records the values above once, prints "ready <pid> serving=<bool>", then
 # exports a no-op event every 50 ms (which re-runs the election, changing no
 # value) and prints "serving=<bool>" on every change, until stdin closes or SIGTERM.
-RANK_CODE = """
+# Each line is one write(2) (SAY_CODE): see there.
+RANK_CODE = SAY_CODE + """
 import os, signal, sys, threading
 from app import Exporter
 from store import EventType
@@ -74,12 +87,12 @@ with Exporter(name) as exp:
     for _ in range(rank + 1):
         exp.record_error("backend")
     serving = exp.serving
-    print(f"ready {os.getpid()} serving={serving}", flush=True)
+    say(f"ready {os.getpid()} serving={serving}")
     while not stop.wait(0.05):
         exp.export_event(EventType.AGENT_TX_REQUESTS_NUM, 0)
         if exp.serving != serving:
             serving = exp.serving
-            print(f"serving={serving}", flush=True)
+            say(f"serving={serving}")
 """
 
 

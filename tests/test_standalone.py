@@ -26,6 +26,7 @@ import pytest
 from support import can_bind, listening_socket, open_direct
 from support_e2e import (
     REPO,
+    SAY_CODE,
     VENV_BIN,
     by_rank,
     children_of,
@@ -501,14 +502,14 @@ def test_hup_replaces_the_workers_and_the_master_keeps_the_election(tmp_path: Pa
 
 # Holds an address's election lock like NIXL's C++ plug-in would: flock, then (with a port) serve HTTP without
 # /healthz (every request an HTTP error). Prints "ready", exits when stdin closes.
-HOLDER_CODE = """
+HOLDER_CODE = SAY_CODE + """
 import fcntl, http.server, os, sys, threading
 fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
 fcntl.flock(fd, fcntl.LOCK_EX)
 if len(sys.argv) > 2:
     server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[2])), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-print("ready", flush=True)
+say("ready")  # http.server logs each request to stderr from its thread meanwhile
 sys.stdin.read()
 """
 
