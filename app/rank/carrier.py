@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from app.channel import ERROR, LOG, MAX_MESSAGE, PING, PONG, READY, decode_record
 from app.rank.spawn import Launched
+from app.server import holding_off_fork
 from store.fds import above_stdio, close_quietly
 
 log = logging.getLogger("nixl_prometheus_mp.helper")
@@ -165,10 +166,13 @@ class Carrier:
         return message
 
     def _watch(self, pid: int) -> None:
-        try:
-            self._pidfd = above_stdio(os.pidfd_open(pid))
-        except OSError:
-            return  # gone already: its end of file comes next
+        # Opened and recorded under the lock fork() waits for: a host's thread forking meanwhile would otherwise
+        # give its child the pidfd before forget_after_fork() could see it, and the child would hold it.
+        with holding_off_fork():
+            try:
+                self._pidfd = above_stdio(os.pidfd_open(pid))
+            except OSError:
+                return  # gone already: its end of file comes next
         self.pid = pid
 
     def _kill(self, words: str) -> None:
