@@ -67,7 +67,8 @@ class LockWaiter:
         self._fd: int | None = None  # ours while recorded here; the thread alone closes it
         # What to wait on next instead of opening the path: a description of the lock file an endpoint of ours
         # just handed to its server (OwnerElection.hand_off), which names that server's lock however the
-        # directory changes meanwhile.  It holds nothing: a copy in a child forked meanwhile holds nothing either.
+        # directory changes meanwhile.  It holds nothing yet; a child's copy, which would share the lock once
+        # this waiter wins it, is closed by the fork hook like the waiter's own descriptor.
         self._next = first
         self._detached = threading.Event()
         self._ended = False  # the thread has returned, or is about to: attach() cannot revive it

@@ -586,11 +586,12 @@ def proc_cpu_s(pid: int) -> float:
 
 
 # A child's census of what ties it to an address server (a test's script defines it with this, at its top level):
-# the unix sockets it holds (the server's channel) and its pidfds (the server's, its launcher's).
+# the unix sockets it holds (the server's channel), its pidfds (the server's, its launcher's) and its descriptors
+# of the lock file (a copy of one the parent locks later keeps the lock held after the server's death).
 HELD_DESCRIPTORS = textwrap.dedent("""
     def held():
         unix = {line.split()[6] for line in list(open("/proc/self/net/unix"))[1:]}  # (the inode: 7th field)
-        found = {"sockets": 0, "pidfds": 0}
+        found = {"sockets": 0, "pidfds": 0, "locks": 0}
         for fd in os.listdir("/proc/self/fd"):
             try:
                 target = os.readlink(f"/proc/self/fd/{fd}")
@@ -600,5 +601,7 @@ HELD_DESCRIPTORS = textwrap.dedent("""
                 found["pidfds"] += 1
             elif target.startswith("socket:[") and target[8:-1] in unix:
                 found["sockets"] += 1
+            elif os.path.basename(target).startswith("nixl-owner.") and target.endswith(".lock"):
+                found["locks"] += 1
         return found
 """).lstrip()

@@ -353,7 +353,7 @@ def test_a_forked_child_never_inherits_the_server(tmp_dir: Path, reaper: Reaper)
     wait_until(held, message="the parent holding the server's channel and pidfd")
     parent.send("fork")
     report = json.loads(parent.readline())
-    nothing = {"sockets": 0, "pidfds": 0}
+    nothing = {"sockets": 0, "pidfds": 0, "locks": 0}
     assert report["inherited"] == nothing and report["after_close"] == nothing, report
     # The child's close left the server serving both, and the parent's channel to it open: its records still
     # reach the parent's log.

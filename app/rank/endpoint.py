@@ -273,8 +273,11 @@ class ScrapeEndpoint:
             return TakeOver(Claim.SHORT, reason=f"the address server cannot be started: {failure.words}")
         # The server holds them now (queued on its channel): our copies go, the lock and the port stay.
         close_listener(listener)
-        self._drop_server_lock()
-        self._server_lock = self.election.hand_off()
+        # Reopened and recorded before any fork can copy it: a child's copy would share the lock once our standby
+        # wins it on that description, and keep it held after our server's death (see app.rank.standby).
+        with holding_off_waiter_fork():
+            self._drop_server_lock()
+            self._server_lock = self.election.hand_off()
         self.serving_since = since
         self._carrier = carrier
         try:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from election.standby import LockWaiter
+from election.standby import LockWaiter, holding_off_fork
 from store.fds import close_quietly
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -68,6 +68,20 @@ def stand_by(endpoint: Standing) -> None:
         return
     if not _lock.acquire(timeout=_LOCK_WAIT_S):
         return  # the export path's election still runs: the next one stands by
+    # fork() waits while the lock file's description an endpoint hands us is ours alone, until a waiter records
+    # it: a child's copy would share the lock once the waiter wins it, and keep it held after the server's death.
+    fork_guard = holding_off_fork()
+    try:
+        if fork_guard.acquire(timeout=_LOCK_WAIT_S):
+            try:
+                _stand_by(endpoint)
+            finally:
+                fork_guard.release()
+    finally:
+        _lock.release()
+
+
+def _stand_by(endpoint: Standing) -> None:
     # An endpoint that just handed its lock to a server waits for that server's death: on the file the server
     # locks, which the path may no longer name once the waiter's thread runs (the directory replaced).
     first = endpoint.take_server_lock()
@@ -99,7 +113,6 @@ def stand_by(endpoint: Standing) -> None:
             return
         _waiters[path] = waiter
     finally:
-        _lock.release()
         close_quietly(first)
 
 
