@@ -83,7 +83,7 @@ def _close_listeners_in_child() -> None:
 
 
 # Reentrant: werkzeug's constructor closes a socket while we hold it.
-_guard = ForkGuard(_close_listeners_in_child)
+_guard = ForkGuard(_close_listeners_in_child, "a scrape listener or an address server's channel")
 
 
 def _open_listener(family: int) -> socket.socket:

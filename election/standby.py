@@ -215,7 +215,7 @@ def _close_in_child() -> None:
     _waiters.clear()
 
 
-_guard = ForkGuard(_close_in_child)
+_guard = ForkGuard(_close_in_child, "a standby's descriptor of a lock file")
 
 
 def holding_off_fork() -> threading.RLock:

@@ -207,3 +207,37 @@ def test_a_child_forked_while_a_parent_thread_holds_the_waiters_flag_does_not_ha
         waiter.detach()
         holder.kill()
     assert os.waitstatus_to_exitcode(statuses[0]) == 0
+
+
+def test_a_fork_that_cannot_wait_for_a_hold_goes_ahead_and_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # The bound is a hang's (10 s): cut here, so that a thread holding the guard stands for a hang of ours.
+    monkeypatch.setattr("store.forkguard._FORK_LOCK_WAIT_S", 0.2)
+    holding, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with holding_off_fork():
+            holding.set()
+            leave.wait(DEADLINE_S)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert holding.wait(DEADLINE_S)
+        with caplog.at_level("WARNING", logger="nixl_prometheus_mp.store"):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        said = [r.getMessage() for r in caplog.records if r.name == "nixl_prometheus_mp.store"]
+        assert len(said) == 1 and "a standby's descriptor of a lock file" in said[0], said
+    finally:
+        leave.set()
+        thread.join(DEADLINE_S)
+    with caplog.at_level("WARNING", logger="nixl_prometheus_mp.store"):  # a fork that could wait says nothing
+        caplog.clear()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    assert not [r for r in caplog.records if r.name == "nixl_prometheus_mp.store"]
