@@ -218,8 +218,9 @@ DEMO = COMMANDS["module"]
 
 def test_demo_removes_only_the_directory_it_created(tmp_path: Path) -> None:
     # A short TTL: at the end the demo waits for its address server to publish the final values until the TTL (the
-    # ranks are gone by then, and the server logs to its file).
-    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="2")
+    # ranks are gone by then, and the server logs to its file).  Not shorter: a server that starts after the TTL
+    # has passed since the ranks' last update (a loaded host) finds nothing live to publish, and gives the port up.
+    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="5")
     done = run(DEMO, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50", env=env)
     assert done.returncode == 0, done.stderr
     assert "ranks recording into" in done.stdout and os.listdir(tmp_path / "tmp") == [], done.stdout
@@ -235,11 +236,28 @@ def test_demo_removes_only_the_directory_it_created(tmp_path: Path) -> None:
     assert "agent 'demo-agent-0'" in log and "agent 'demo-agent-1'" in log, log
 
 
+def test_demo_waits_for_a_server_still_starting_once_its_ranks_are_done(tmp_path: Path) -> None:
+    # The address server starts 3 s late (a sitecustomize of its own pauses it as its launcher forks it), while
+    # the ranks are done after 1 s: the demo waits for the server they started rather than give up once they
+    # ended, and the server publishes their final values (within the TTL of their last update: 8 s covers it).
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        'import os, sys, time\n'
+        'if "serving-helper" in sys.argv:\n'
+        '    os.register_at_fork(after_in_child=lambda: time.sleep(3))\n')
+    env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="8")
+    env["PYTHONPATH"] = os.pathsep.join((str(slow), env["PYTHONPATH"]))
+    done = run(DEMO, "demo", "--ranks", "2", "--port", str(free_port()), "--duration", "1", "--rate", "50", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "started the server of" in done.stdout and "ranks live 0 departed 2" in done.stdout, done.stdout
+
+
 def test_demo_with_a_relative_dir_gives_the_ranks_an_absolute_one(tmp_path: Path) -> None:
     """The rank's store, and the address server (which runs in /), are in tmp_path/rel."""
     port = free_port()
     done = run(DEMO, "demo", "--ranks", "1", "--port", str(port), "--duration", "1", "--dir", "rel",
-               env=demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="2"), cwd=tmp_path)
+               env=demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="5"), cwd=tmp_path)  # (5 s: see above)
     assert done.returncode == 0, done.stderr
     assert f"recording into {tmp_path / 'rel'};" in done.stdout, done.stdout
     log = server_log(tmp_path / "rel", port)  # it reaped the rank's store there, after the TTL

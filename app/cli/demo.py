@@ -158,12 +158,15 @@ def _serving_rank(port: int, procs: list[subprocess.Popen[bytes]], stop: StopSig
     pids = {p.pid for p in procs}
     deadline = time.monotonic() + OWNER_WAIT_S
     while not stop.wait(0.1):
-        if all(p.poll() is not None for p in procs):
-            raise CliError(f"every demo rank ended before serving: rank 0 {exit_words(procs[0].returncode)}")
+        # Looked at before asking: a server a rank started outlives the ranks (it publishes their final values),
+        # and may still be starting once a short run's ranks are done: its port listens from the rank's bind on.
+        ended = all(p.poll() is not None for p in procs)
         owner = get_healthz("127.0.0.1", port).owner
         pid = None if owner is None else owner.get("started_by")
         if isinstance(pid, int) and pid in pids:
             return pid
+        if ended and not listening_sockets(port):
+            raise CliError(f"every demo rank ended before serving: rank 0 {exit_words(procs[0].returncode)}")
         if time.monotonic() > deadline:
             raise CliError(f"no demo rank serves 127.0.0.1:{port} after {OWNER_WAIT_S:.0f} s; the port is held by "
                            f"{port_holders(port)}")
