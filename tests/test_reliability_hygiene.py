@@ -162,8 +162,15 @@ def test_concurrent_close_is_idempotent_and_leaves_nothing_running(tmp_dir, serv
     assert took < 5, f"close() took {took:.1f} s"  # (the slow client's request would hold it 10 s)
     exp.close()  # once more: a no-op
     assert not exp.serving
+    def writer_let_go() -> bool:  # (a moment's exclusive lock is the address server's reaper probing it)
+        try:
+            fcntl.flock(store, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
     try:
-        fcntl.flock(store, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (BlockingIOError: its writer still holds it)
+        wait_until(writer_let_go, timeout=10, message="the closed Exporter's writer to let its store go")
     finally:
         os.close(store)
     # Serving from a thread, close() freed the port, then the election; an address server (the job's) gives them
