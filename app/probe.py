@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from election.lock import flock_entries
+from store.fds import stdio_occupied
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -92,7 +93,8 @@ def listening_sockets(port: int) -> set[str]:
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            lines = Path(table).read_text().splitlines()[1:]
+            with stdio_occupied():  # (a rank calls this: never on 0-2, see store.fds)
+                lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -106,10 +108,11 @@ def listening_pids(port: int) -> list[int]:
     """The processes listening on TCP ``port`` that this user can see, from Linux's /proc."""
     inodes = listening_sockets(port)
     holders = []
-    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
-        with contextlib.suppress(OSError):
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
-                holders.append(int(pid))
+    with stdio_occupied():
+        for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
+            with contextlib.suppress(OSError):
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                    holders.append(int(pid))
     return holders
 
 
@@ -117,7 +120,7 @@ def port_holders(port: int) -> str:
     """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
     holders = []
     for pid in listening_pids(port):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), stdio_occupied():
             holders.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
     return ", ".join(holders) or "a process this user cannot see"
 
@@ -150,7 +153,8 @@ def helper_command(address: str) -> list[str]:
 def is_address_server(pid: int) -> bool:
     """Whether process ``pid`` runs an address server (from its command line)."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        with stdio_occupied():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
     return len(argv) >= 3 and argv[-3] == HELPER_MARK.encode()

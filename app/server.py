@@ -25,7 +25,7 @@ from app.connections import REQUEST_TIMEOUT_S, Connections
 from app.http import PersistentHandler
 from app.logsink import never_block_on_logs
 from election.lock import SCARCE
-from store.fds import socket_above_stdio
+from store.fds import stdio_occupied
 from store.forkguard import ForkGuard
 from store.warnonce import OnceWarner
 
@@ -87,8 +87,8 @@ _guard = ForkGuard(_close_listeners_in_child, "a scrape listener or an address s
 
 
 def _open_listener(family: int) -> socket.socket:
-    with _guard.lock:
-        sock = socket_above_stdio(socket.socket(family, socket.SOCK_STREAM))
+    with _guard.lock, stdio_occupied():
+        sock = socket.socket(family, socket.SOCK_STREAM)
         _listeners.add(sock)
     return sock
 
@@ -139,7 +139,8 @@ class BoundedServer(ThreadedWSGIServer):
         taking the CPU from the rank it lives in.
         """
         try:
-            conn, address = super().get_request()
+            with stdio_occupied():  # (the listener is non-blocking: held for one accept() at most)
+                conn, address = super().get_request()
         except OSError as exc:
             if exc.errno in SCARCE:
                 _warner.warn(("accept", self.server_address, exc.errno),
@@ -151,8 +152,7 @@ class BoundedServer(ThreadedWSGIServer):
                 self._stopping.wait(self._accept_backoff_s)
             raise
         self._accept_backoff_s = 0.0
-        # (never on 0-2, where a host with its standard streams closed would write its output)
-        return socket_above_stdio(conn), address
+        return conn, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if self.connections.admit(request, str(client_address[0]) if client_address else ""):
@@ -282,11 +282,9 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
     """
     host, port = sock.getsockname()[:2]
     with _guard.lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
-        server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
-        try:
-            server.socket = socket_above_stdio(server.socket)
-        finally:
-            _listeners.add(server.socket)
+        with stdio_occupied():
+            server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
+        _listeners.add(server.socket)
     thread = threading.Thread(target=_serve_forever, args=(server,), name=name, daemon=True)
     server.serve_thread = thread
     try:

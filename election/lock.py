@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from store.fds import above_stdio
+from store.fds import open_above_stdio, stdio_occupied
 from store.layout import OWNER_LOCK_PREFIX, OWNER_LOCK_SUFFIX
 from store.warnonce import OnceWarner
 
@@ -222,7 +222,7 @@ class OwnerElection:
         reopened = None
         if fd is not None:
             with contextlib.suppress(OSError):  # no /proc, out of descriptors: the standby opens the path instead
-                reopened = above_stdio(os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY))
+                reopened = open_above_stdio(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
         self.forget_after_fork()
         return reopened
 
@@ -237,7 +237,7 @@ class OwnerElection:
 
 def open_lock_file(path: Path) -> int:
     """Open (creating it 0600) the lock file at ``path``, refusing one that is not a regular file of ours."""
-    fd = above_stdio(os.open(path, _OPEN_FLAGS, 0o600))  # (store.fds: never on 0-2)
+    fd = open_above_stdio(path, _OPEN_FLAGS, 0o600)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -258,7 +258,7 @@ def flock_entries(st: os.stat_result) -> list[tuple[bool, int]]:
     device = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     entries = []
     try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+        with stdio_occupied(), open("/proc/locks", encoding="ascii", errors="replace") as locks:
             for line in locks:
                 # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF", a waiter "1: -> FLOCK  ADVISORY  WRITE ..."
                 fields = line.split()
@@ -283,7 +283,8 @@ def held_addresses_except(directory: str | os.PathLike[str], address: str) -> li
     """
     own = lock_file_name(address)
     try:
-        names = [entry.name for entry in os.scandir(directory)]
+        with stdio_occupied():
+            names = [entry.name for entry in os.scandir(directory)]
     except OSError:
         return []
     return sorted(name[len(OWNER_LOCK_PREFIX):-len(OWNER_LOCK_SUFFIX)] for name in names
@@ -299,7 +300,7 @@ def address_is_held(directory: str | os.PathLike[str], address: str) -> bool:
 def _is_held(path: str) -> bool:
     # A new open file description conflicts with every other one, ours included.
     try:
-        fd = above_stdio(os.open(path, _PROBE_FLAGS))
+        fd = open_above_stdio(path, _PROBE_FLAGS)
     except OSError:
         return False
     try:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Final, NamedTuple
 
 from store import native
-from store.fds import open_above_stdio
+from store.fds import open_above_stdio, stdio_occupied
 from store.layout import STORE_SIZE, is_store_name
 from store.reader import Unreadable, foreign_owner, not_regular, open_failure
 
@@ -92,7 +92,8 @@ def scan_python(directory: str | os.PathLike[str]) -> list[Entry]:
     """The pure-Python twin of ``store._scan.scan``."""
     # Listed first, then one directory descriptor for the opens: as in C, the
     # listing needs one free descriptor and the opens a second.
-    names = sorted(name for name in os.listdir(directory) if is_store_name(name))
+    with stdio_occupied():
+        names = sorted(name for name in os.listdir(directory) if is_store_name(name))
     dir_fd = open_above_stdio(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         euid = os.geteuid()
@@ -108,7 +109,9 @@ def _pick() -> Callable[[str | os.PathLike[str]], list[Entry]]:
     c_scan = module.scan
 
     def scan_c(directory: str | os.PathLike[str]) -> list[Entry]:
-        return list(map(Entry._make, c_scan(directory)))
+        with stdio_occupied():  # (its opens, in C, never on 0-2: see store.fds)
+            entries = c_scan(directory)
+        return list(map(Entry._make, entries))
 
     return scan_c
 

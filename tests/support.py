@@ -123,8 +123,7 @@ def watches(server_pid: int, pid: int | str = "self") -> bool:
     """Whether process ``pid`` (this one by default) watches ``server_pid`` through one pidfd, numbered 3 or above.
 
     A rank's carrier opens it when its address server says it is ready, which is after that server answers
-    (its /healthz may come first), then moves it above 0-2: a test that counts the rank's descriptors, or looks
-    at 0-2, waits for this first.
+    (its /healthz may come first): a test that counts the rank's descriptors waits for this first.
     """
     fds = []
     for fd, target in open_fds(pid).items():

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from app.channel import ERROR, LOG, MAX_MESSAGE, PING, PONG, READY, decode_record
 from app.rank.spawn import Launched
 from app.server import holding_off_fork
-from store.fds import above_stdio, close_quietly
+from store.fds import close_quietly, stdio_occupied
 
 log = logging.getLogger("nixl_prometheus_mp.helper")
 
@@ -50,7 +50,8 @@ class Carrier:
         self._launched = launched
         self.address = address
         self._on_end = on_end  # (ready, how it ended), from the carrier's thread, when the server is gone
-        self._wake_r, self._wake_w = (above_stdio(fd) for fd in os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK))
+        with stdio_occupied():
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._closing = False
         self.pid: int | None = None  # the server's, once it said it is ready
         self._pidfd = -1
@@ -168,9 +169,9 @@ class Carrier:
     def _watch(self, pid: int) -> None:
         # Opened and recorded under the lock fork() waits for: a host's thread forking meanwhile would otherwise
         # give its child the pidfd before forget_after_fork() could see it, and the child would hold it.
-        with holding_off_fork():
+        with holding_off_fork(), stdio_occupied():
             try:
-                self._pidfd = above_stdio(os.pidfd_open(pid))
+                self._pidfd = os.pidfd_open(pid)
             except OSError:
                 return  # gone already: its end of file comes next
         self.pid = pid

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from app.channel import MAX_MESSAGE, ServerArgs, pair, state_message
 from app.probe import helper_command
-from store.fds import above_stdio, open_above_stdio, socket_above_stdio, stdio_occupied
+from store.fds import open_above_stdio, stdio_occupied
 
 # The failures of a start that the system may not repeat a moment later: tried again, with the back-off.
 TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
@@ -122,7 +122,8 @@ def launch(lock_fd: int | None, listener: socket.socket, args: ServerArgs) -> La
     ours = theirs = None
     null = -1
     try:
-        ours, theirs = (socket_above_stdio(end) for end in pair())
+        with stdio_occupied():
+            ours, theirs = pair()
         # Queued before the launcher runs: the server reads them whenever it gets there.
         ours.send(bootstrap())
         fds = [listener.fileno()] + ([] if lock_fd is None else [lock_fd])
@@ -144,7 +145,8 @@ def launch(lock_fd: int | None, listener: socket.socket, args: ServerArgs) -> La
         if null >= 0:
             os.close(null)
     try:
-        launcher_fd = above_stdio(os.pidfd_open(launcher.pid))
+        with stdio_occupied():
+            launcher_fd = os.pidfd_open(launcher.pid)
     except OSError:
         launcher_fd = -1
         with contextlib.suppress(OSError):
