@@ -169,11 +169,11 @@ class Carrier:
     def _watch(self, pid: int) -> None:
         # Opened and recorded under the lock fork() waits for: a host's thread forking meanwhile would otherwise
         # give its child the pidfd before forget_after_fork() could see it, and the child would hold it.
-        with holding_off_fork(), stdio_occupied():
-            try:
+        try:
+            with holding_off_fork(), stdio_occupied():
                 self._pidfd = os.pidfd_open(pid)
-            except OSError:
-                return  # gone already: its end of file comes next
+        except OSError:
+            return  # gone already: its end of file comes next
         self.pid = pid
 
     def _kill(self, words: str) -> None:
