@@ -47,8 +47,10 @@ typedef struct {
  * again.  The signal's Python handler runs once the scan has returned. */
 #define RETRY(rc, call) do (rc) = (call); while ((rc) < 0 && errno == EINTR)
 
-/* A descriptor of ours is never 0, 1 or 2 (store/fds.py): where the host
- * closed its standard streams, move it to 3 or above at once. */
+/* A descriptor of ours is never 0, 1 or 2 (store/fds.py).  store.scan calls
+ * this with 0-2 held open, so each lands at 3 or above; one that still lands
+ * low (a direct caller, or a host thread that closed 0-2 meanwhile) is moved
+ * to 3 or above at once. */
 static int above_stdio(int fd) {
     if (fd < 0 || fd > 2)
         return fd;
