@@ -166,7 +166,7 @@ def test_lock_files_are_opened_without_blocking_nor_taking_a_terminal(tmp_dir: P
     real_open = os.open
 
     def recording_open(path: str | os.PathLike[str], mode: int, *args: int, **kwargs: int) -> int:
-        if Path(path).name.startswith("nixl-owner."):  # (not the /dev/null that holds a closed 0-2: store.fds)
+        if Path(path).name.startswith("nixl-owner."):  # (not the fill's /dev/null: store.fds)
             flags.append(mode)
         return real_open(path, mode, *args, **kwargs)
 
