@@ -12,7 +12,6 @@ records, and says how many with the next one that goes through.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 
@@ -108,7 +107,9 @@ def _install() -> None:
             logger.addFilter(_Deferring())
 
 
-def _after_fork_in_child() -> None:
+def reset_after_fork() -> None:
+    """In a forked child (app.rank.exporter's fork hook): the emitter thread, and whoever held the lock, are
+    the parent's."""
     global _lock, _queue, _emitter, _dropped
     _lock = threading.Lock()
     _queue = queue.Queue(QUEUE_SIZE)
@@ -117,4 +118,3 @@ def _after_fork_in_child() -> None:
 
 
 _install()
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -143,18 +143,65 @@ def die_with_parent(parent_pid: int | None) -> None:
 # -- an address server, seen from outside ----------------------------------------------------------------------
 
 HELPER_MARK = "serving-helper"  # an address server's command line ends "serving-helper ADDRESS" (and says no more)
+SERVER_COMM = "nixl-server"  # an address server's process name (``ps -e``, /proc/PID/comm)
+SPARE_COMM = "nixl-spare"  # its spare's, until it takes over
 
 
 def helper_command(address: str) -> list[str]:
-    """The arguments an address server's command line ends with."""
+    """The arguments an address server's (and its spare's) command line ends with."""
     return [HELPER_MARK, address]
 
 
-def is_address_server(pid: int) -> bool:
-    """Whether process ``pid`` runs an address server (from its command line)."""
+def process_state(pid: int) -> str | None:
+    """The state letter the kernel gives process ``pid`` (R, S, D, T, t, Z, ...); None: no such process."""
+    try:
+        with stdio_occupied():
+            stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0]
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        with stdio_occupied():
+            return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def is_address_server(pid: int, address: str, comms: tuple[str, ...] = (SERVER_COMM,)) -> bool:
+    """Whether process ``pid`` is provably ours for ``address``: an address server (with SPARE_COMM in ``comms``,
+    or its spare) of this user, for exactly that address."""
     try:
         with stdio_occupied():
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-    return len(argv) >= 3 and argv[-3] == HELPER_MARK.encode()
+    uids = next((line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")), [])
+    return (_comm(pid) in comms and bool(uids) and all(uid == str(os.geteuid()) for uid in uids)
+            and argv[-3:] == [HELPER_MARK.encode(), address.encode(), b""])
+
+
+def signal_address_server(pid: int, address: str, signum: int, comms: tuple[str, ...] = (SERVER_COMM,)) -> bool:
+    """Send ``signum`` to ``pid`` only if it is our address server for ``address`` (see is_address_server);
+    whether it was sent.
+
+    The pidfd is opened before the checks, and the signal sent through it: a pid that is reused after the
+    checks names another process, the pidfd never does.
+    """
+    try:
+        with stdio_occupied():
+            pidfd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if not is_address_server(pid, address, comms):
+            return False
+        signal.pidfd_send_signal(pidfd, signum)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)

@@ -4,8 +4,7 @@ Used wherever this project serves: the address server (app.address.server), a ra
 (app.rank.endpoint), the demo's aggregator and the benchmarks.  What it adds to werkzeug: the request path of
 app.http (persistent connections, one write per answer, pooled threads), a bound on connections and on how long
 each request may last, accept() backing off while descriptors run out, no traceback on a client's error, no log
-line per scrape, and a registry of every listener this process holds, closed in a forked child (a child holding
-our listener would keep the port bound after we close it).
+line per scrape.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from app.http import PersistentHandler
 from app.logsink import never_block_on_logs
 from election.lock import SCARCE
 from store.fds import stdio_occupied
-from store.forkguard import ForkGuard
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -61,48 +59,9 @@ class _QuietHandler(PersistentHandler):
         log.debug("telemetry endpoint, client %s: " + message, self.address_string(), *args)
 
 
-# -- listeners and fork ---------------------------------------------------------------------------------------
-#
-# A child forked without exec inherits every descriptor, listeners included: a child holding our listener
-# keeps the port bound after we close it (no rank can take the address over) and its backlog swallows
-# scrapes.  SOCK_CLOEXEC does nothing for a fork without exec, so every listener this process opens is
-# registered here from the instant its descriptor exists until the instant it is closed, both under
-# the fork guard's lock, which the fork hooks hold across fork(): the child closes exactly the listeners
-# the parent had open at that instant, whatever the parent was doing (binding, taking over, closing).
-
-_listeners: set[socket.socket] = set()
-
-
-def _close_listeners_in_child() -> None:
-    for sock in _listeners:
-        # detach() marks the object closed without closing, so its finalizer can never close a number the
-        # child reuses; os.close drops the child's copy only (no shutdown: the parent keeps listening).
-        with contextlib.suppress(OSError):
-            os.close(sock.detach())
-    _listeners.clear()
-
-
-# Reentrant: werkzeug's constructor closes a socket while we hold it.
-_guard = ForkGuard(_close_listeners_in_child, "a scrape listener or an address server's channel")
-
-
 def _open_listener(family: int) -> socket.socket:
-    with _guard.lock, stdio_occupied():
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        _listeners.add(sock)
-    return sock
-
-
-def close_listener(sock: socket.socket) -> None:
-    with _guard.lock:
-        _listeners.discard(sock)
-        sock.close()
-
-
-def holding_off_fork() -> threading.RLock:
-    """The lock fork() waits for: held, it makes the descriptors created meanwhile and recorded by the holder
-    (the channel to an address server, see app.rank.endpoint) either absent from a child or known to its hooks."""
-    return _guard.lock
+    with stdio_occupied():
+        return socket.socket(family, socket.SOCK_STREAM)
 
 
 class BoundedServer(ThreadedWSGIServer):
@@ -194,7 +153,7 @@ class BoundedServer(ThreadedWSGIServer):
 
         (werkzeug's serve_forever calls this as it returns.)
         """
-        close_listener(self.socket)
+        self.socket.close()
         if getattr(self, "connections", None) is None:
             return
         self.connections.cut_all()
@@ -211,7 +170,7 @@ class BoundedServer(ThreadedWSGIServer):
         # leaves the socket listening until the poll returns (the port would still be bound when the lock goes).
         with contextlib.suppress(OSError):
             self.socket.shutdown(socket.SHUT_RDWR)
-        close_listener(self.socket)
+        self.socket.close()
         self.connections.close_all(idle_only=True)
 
     def busy(self) -> bool:
@@ -264,7 +223,7 @@ def bind_listener(host: str, port: int) -> socket.socket:
         # socketserver ignores, not block its serving loop until the next client.
         sock.setblocking(False)
     except BaseException:
-        close_listener(sock)
+        sock.close()
         raise
     return sock
 
@@ -281,10 +240,8 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
     werkzeug's duplicate, no thread) the duplicate is closed before the error propagates.
     """
     host, port = sock.getsockname()[:2]
-    with _guard.lock:  # werkzeug duplicates the descriptor: register the copy the instant it exists
-        with stdio_occupied():
-            server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
-        _listeners.add(server.socket)
+    with stdio_occupied():
+        server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
     thread = threading.Thread(target=_serve_forever, args=(server,), name=name, daemon=True)
     server.serve_thread = thread
     try:

@@ -87,7 +87,7 @@ class Results:
     # helper serving ("helper").
     respawn: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     respawn_failures: int = 0
-    standby: dict[str, Any] = field(default_factory=dict)  # bench/standby.py's figures
+    succession: dict[str, Any] = field(default_factory=dict)  # bench/succession.py's figures
     helper_start: list[float] = field(default_factory=list)  # an Exporter's construction to its helper serving
     helper_rss_kib: list[int] = field(default_factory=list)  # a helper serving one rank, after a scrape
     fs: str = "?"

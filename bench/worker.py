@@ -237,14 +237,14 @@ def fill_ref(count: int, directory: str) -> tuple[dict[str, Any], Handler]:
 
 
 def _serve(app: Any) -> tuple[int, Any]:
-    from app.server import bind_listener, close_listener, serve_in_thread
+    from app.server import bind_listener, serve_in_thread
 
     sock = bind_listener("127.0.0.1", 0)
     port = sock.getsockname()[1]
     try:
         server, _thread = serve_in_thread(sock, app, "bench-server")
     finally:
-        close_listener(sock)  # the server serves its own duplicate
+        sock.close()  # the server serves its own duplicate
     return port, server
 
 

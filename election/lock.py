@@ -11,7 +11,6 @@ old one, and two owners would serve.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -104,7 +103,12 @@ class OwnerElection:
         return self._fd if self.held else None
 
     def try_win(self) -> Outcome:
-        """Race for the address; idempotent while we hold it."""
+        """Race for the address; idempotent while we hold it.
+
+        A lost race keeps no descriptor: one opened for each try, and closed unless it holds the lock, is never
+        a number this process may have lost to its host meanwhile (``os.closerange``) nor one that a forked
+        child shares when it later wins.
+        """
         if self.held:
             return Outcome.WON
         try:
@@ -112,6 +116,7 @@ class OwnerElection:
                 self._fd = self._open()
             won = try_lock(self._fd)
         except OSError as exc:
+            self._close_fd()
             if exc.errno in SCARCE:
                 # Out of descriptors (or memory) for now: falling back to the bind would demote the
                 # election for good over a passing shortage.  Stay out of it and let the caller retry.
@@ -120,6 +125,8 @@ class OwnerElection:
             return self._fallback(os.strerror(exc.errno or 0) if exc.errno else str(exc))
         self.problem = self.shortage = None
         self.held = won
+        if not won:
+            self._close_fd()
         return Outcome.WON if won else Outcome.LOST
 
     def _open(self) -> int:
@@ -188,43 +195,24 @@ class OwnerElection:
 
     def adopt(self, fd: int) -> None:
         """Hold the election through ``fd``, a descriptor of our lock file that already holds the lock
-        (a standby's, see election.standby): the lock is not released and retaken, so no sibling can win
-        in between."""
+        (a spare's that the kernel just woke, or the one a rank handed its server): the lock is not released
+        and retaken, so no sibling can win in between."""
         if self.held:
             raise RuntimeError(f"the election for {self.address} is already held")
         old, self._fd = self._fd, fd
         self.held = True
         self.problem = self.shortage = None
         if old is not None:
-            os.close(old)  # our own probing descriptor, which held nothing
+            os.close(old)  # (a descriptor of ours that held nothing)
 
-    def forget_after_fork(self) -> None:
-        """In a forked child: drop the inherited descriptor WITHOUT unlocking.
+    def forget(self) -> None:
+        """Drop our descriptor WITHOUT unlocking: in a forked child, or once an address server that stays on
+        holds the same open file description.
 
-        The lock belongs to the open file description shared with the parent;
-        LOCK_UN would depose the parent, while keeping the descriptor open
-        would keep the address locked after the parent dies.
+        The lock belongs to the open file description, which another process shares: LOCK_UN would depose it.
         """
         self.held = False
         self._close_fd()
-
-    def hand_off(self) -> int | None:
-        """Leave the election to the other holder of our open file description (an address server that
-        stays on): our descriptor goes, the lock stays, for the same reason as forget_after_fork.
-
-        Returns a new open file description of the file we held, holding nothing, for a standby that waits for
-        that holder's release (None where it cannot be had).  Reopened now, while our descriptor keeps the file,
-        it names the file the holder locks even if the directory is replaced before the standby waits: opening
-        the path then would make a lock file in the new directory, free to win, and a rank of this run would
-        contend with its own server for the address.
-        """
-        fd = self._fd if self.held else None
-        reopened = None
-        if fd is not None:
-            with contextlib.suppress(OSError):  # no /proc, out of descriptors: the standby opens the path instead
-                reopened = open_above_stdio(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
-        self.forget_after_fork()
-        return reopened
 
     def _close_fd(self) -> None:
         # Forget the number before closing it: a fork landing in between must

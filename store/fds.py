@@ -25,13 +25,10 @@ FIRST_FREE = 3  # the lowest number we ever keep
 _filling = threading.RLock()
 
 
-def _fresh_lock_in_child() -> None:
+def reset_after_fork() -> None:
+    """In a forked child (store.writer's fork hook): another thread of the parent may have held the lock."""
     global _filling
-    _filling = threading.RLock()  # another thread of the parent may have held it: none does here
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+    _filling = threading.RLock()
 
 
 def close_quietly(fd: int | None) -> None:

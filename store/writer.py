@@ -14,6 +14,7 @@ built, else the Python closures), attached to the current mapping here.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from store import fds
 from store import layout as L
 from store import recorders as hot
 from store.fds import open_above_stdio, stdio_occupied
@@ -95,6 +97,9 @@ _run_marker: int = time.time_ns()  # CLOCK_REALTIME ns, fixed for the life of th
 _writers: weakref.WeakSet[StoreWriter] = weakref.WeakSet()
 _closed_warner = OnceWarner(log)
 _create_warner = OnceWarner(log)
+# Mappings whose descriptor the host closed (see StoreWriter.revalidate): kept, never closed, because closing a
+# mapping closes its own duplicate of the descriptor, a number that may be the host's by now.
+_abandoned: list[tuple[mmap.mmap, memoryview]] = []
 
 
 class StoreWriter:
@@ -146,7 +151,8 @@ class StoreWriter:
         fd = self._create_tmpfile(path, pid, carry) if USE_O_TMPFILE else None
         if fd is None:
             fd = self._create_staged(path, pid, carry)
-        self.pid, self.path, self._fd = pid, path, fd
+        st = os.fstat(fd)
+        self.pid, self.path, self._fd, self._file_id = pid, path, fd, (st.st_dev, st.st_ino)
         with stdio_occupied():  # (mmap keeps a duplicate of fd: never on 0-2, see store.fds)
             self._mm = mmap.mmap(fd, L.STORE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self._words = memoryview(self._mm).cast("Q")
@@ -318,7 +324,8 @@ class StoreWriter:
             return True
 
     def revalidate(self) -> None:
-        """Recreate the store, values included, if its file was unlinked (the directory removed and recreated).
+        """Recreate the store, values included, if its file was unlinked (the directory removed and recreated)
+        or its descriptor is no longer ours (the host closed it: ``os.closerange``, as daemonizing code does).
 
         Cheap (one fstat) and meant for the exporter's re-election pace.  The
         new store starts from the old one's values rather than from zero: the
@@ -329,29 +336,53 @@ class StoreWriter:
         if fd < 0 or self._closed or self.pid != os.getpid():
             return
         try:
-            if os.fstat(fd).st_nlink:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == self._file_id and st.st_nlink:
                 return
         except OSError:
-            return
+            pass  # closed under us: not ours any more
         with self._lock:
             if self._fd != fd or self._closed:
                 return
+            if self._owns(fd):
+                why = f"was removed from disk (was {self.directory} deleted and recreated?)"
+            else:
+                # The number is not ours any more, nor is the mapping's own duplicate (mmap keeps one): neither is
+                # ever closed by us, lest we close what the host opened since.  Our file lost its lock with it: a
+                # new one takes its place (its name frees first, if it still names our file).
+                why = "lost its descriptor (the host closed it: os.closerange?)"
+                self._fd = -1
+                with contextlib.suppress(OSError):
+                    st = os.stat(self.path, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == self._file_id:
+                        os.unlink(self.path)
             self._detach()
             carry = bytes(self._mm[L.COUNTERS_FIELD[0]:])
             old_path, old_mm, old_words = self.path, self._mm, self._words
             try:
                 self._create(carry)
             except OSError as exc:
-                _create_warner.warn((self.directory, exc.errno), "the telemetry store %s was removed from disk "
-                                    "and cannot be recreated yet (%s); this process keeps recording and "
-                                    "tries again", old_path, exc.strerror)
-                self._attach()  # back onto the unlinked mapping: nothing is lost meanwhile
+                _create_warner.warn((self.directory, exc.errno), "the telemetry store %s %s and cannot be "
+                                    "recreated yet (%s); this process keeps recording and tries again", old_path,
+                                    why, exc.strerror)
+                # Back onto the old mapping: nothing is lost meanwhile (retried while its descriptor is ours).
+                self._attach()
                 return
-            old_words.release()
-            old_mm.close()
-            os.close(fd)
-        log.warning("the telemetry store %s was removed from disk (was %s deleted and recreated?); recreated it "
-                    "with the values recorded so far", self.path, self.directory)
+            if self._owns(fd):
+                old_words.release()
+                old_mm.close()
+                os.close(fd)
+            else:
+                _abandoned.append((old_mm, old_words))
+        log.warning("the telemetry store %s %s; recreated it with the values recorded so far", self.path, why)
+
+    def _owns(self, fd: int) -> bool:
+        """Whether ``fd`` is still the descriptor of this writer's store (not one the host opened since)."""
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._file_id
 
     # -- life cycle -------------------------------------------------------
 
@@ -366,10 +397,12 @@ class StoreWriter:
                 return
             self._closed = True
             self._detach()
-            if self._fd >= 0:  # -1 in a forked child that has not written yet
+            if self._fd >= 0 and self._owns(self._fd):  # -1 in a forked child that has not written yet
                 self._unmap()
                 os.close(self._fd)  # the last reference: this is what releases the flock
-                self._fd = -1
+            elif self._fd >= 0:  # the host closed it (see revalidate): neither it nor the mapping's is ours to close
+                _abandoned.append((self._mm, self._words))
+            self._fd = -1
         _writers.discard(self)
 
     @property
@@ -391,7 +424,8 @@ class StoreWriter:
         if self._closed:
             return
         self._detach()
-        if self._fd < 0:  # forked again before this process ever wrote: nothing of ours to close
+        if self._fd < 0 or not self._owns(self._fd):  # forked before this process wrote, or not ours any more
+            self._fd = -1
             return
         try:
             self._unmap()
@@ -443,6 +477,7 @@ def _flock_store(fd: int, path: Path) -> bool:
 
 def _after_fork_in_child() -> None:
     global _run_marker
+    fds.reset_after_fork()
     _run_marker = time.time_ns()
     for warner in (_closed_warner, _create_warner):
         warner.reset_after_fork()

@@ -155,11 +155,17 @@ _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def stop_address_servers() -> None:
-    """SIGKILL and reap every address server this worker adopted (its comm is SERVER_COMM, zombies included)."""
+    """SIGKILL and reap every address server and spare this worker adopted (zombies included): the spares first,
+    which would otherwise take a killed server's place."""
     import signal
 
-    from app.address.server import SERVER_COMM
+    from app.probe import SERVER_COMM, SPARE_COMM
 
+    for comm_wanted in (SPARE_COMM, SERVER_COMM):
+        _stop_adopted(comm_wanted, signal.SIGKILL)
+
+
+def _stop_adopted(comm_wanted: str, signum: int) -> None:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -167,9 +173,9 @@ def stop_address_servers() -> None:
             comm, _, rest = Path(f"/proc/{entry}/stat").read_text().partition(") ")
         except OSError:
             continue
-        if comm.partition(" (")[2] == SERVER_COMM and int(rest.split()[1]) == os.getpid():
+        if comm.partition(" (")[2] == comm_wanted and int(rest.split()[1]) == os.getpid():
             with contextlib.suppress(OSError):
-                os.kill(int(entry), signal.SIGKILL)
+                os.kill(int(entry), signum)
             with contextlib.suppress(OSError):
                 os.waitpid(int(entry), 0)
 

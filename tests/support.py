@@ -119,22 +119,6 @@ def open_fds(pid: int | str = "self") -> dict[int, str]:
     return out
 
 
-def watches(server_pid: int, pid: int | str = "self") -> bool:
-    """Whether process ``pid`` (this one by default) watches ``server_pid`` through one pidfd, numbered 3 or above.
-
-    A rank's carrier opens it when its address server says it is ready, which is after that server answers
-    (its /healthz may come first): a test that counts the rank's descriptors waits for this first.
-    """
-    fds = []
-    for fd, target in open_fds(pid).items():
-        if target == "anon_inode:[pidfd]":
-            with contextlib.suppress(OSError):  # (closed meanwhile)
-                info = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines())
-                if int(info["Pid"]) == server_pid:
-                    fds.append(fd)
-    return len(fds) == 1 and fds[0] >= 3
-
-
 def wait_until(condition: Callable[[], T], timeout: float = DEADLINE_S, interval: float = 0.02,
                message: str = "condition") -> T:
     """Call ``condition`` until it returns something truthy (returned); AssertionError after ``timeout`` s.
@@ -229,20 +213,11 @@ def try_scrape(port: int, timeout: float = 2.0) -> str | None:
 
 
 def wait_until_settled(port: int, environ: Mapping[str, str] | None = None, timeout: float = START_DEADLINE_S) -> None:
-    """Wait (bounded) until the owner on ``port`` serves the way it will go on serving: from its helper (unless
-    NIXL_PROMETHEUS_MP_SERVE=thread in ``environ``, default os.environ), whose start changes the owner's threads and
-    descriptors (a test counting them takes its baseline after this), and, if this process started that helper,
-    until this process watches it."""
+    """Wait (bounded) until the owner on ``port`` serves the way it will go on serving: from its address server
+    (unless NIXL_PROMETHEUS_MP_SERVE=thread in ``environ``, default os.environ) or from a rank's thread."""
     env = os.environ if environ is None else environ
     final = "thread" if env.get(SERVE_ENV) == "thread" else "helper"
-
-    def settled() -> bool:
-        owner = healthz(port)["owner"]
-        # A server this process started is watched by its carrier through a pidfd, opened once the server said it
-        # is ready (after it answers): one descriptor more, which a baseline taken before it would count as leaked.
-        return owner["serving"] == final and (final == "thread" or owner["started_by"] != os.getpid()
-                                              or watches(owner["server_pid"]))
-    wait_until(settled, timeout, message=f"the owner serving from a {final}")
+    wait_until(lambda: healthz(port)["owner"]["serving"] == final, timeout, message=f"the owner serving from a {final}")
 
 
 def wait_for_metrics(port: int, timeout: float = DEADLINE_S) -> str:
@@ -584,22 +559,25 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# A child's census of what ties it to an address server (a test's script defines it with this, at its top level):
-# the unix sockets it holds (the server's channel), its pidfds (the server's, its launcher's) and its descriptors
-# of the lock file (a copy of one the parent locks later keeps the lock held after the server's death).
+# A child's census of what it must never inherit from a rank (a test's script defines it with this, at its top
+# level): listening TCP sockets (a child's copy keeps the port bound once the rank's server or thread is gone)
+# and descriptors of the election's lock file (a child's copy of a locked description keeps the address held).
 HELD_DESCRIPTORS = textwrap.dedent("""
     def held():
-        unix = {line.split()[6] for line in list(open("/proc/self/net/unix"))[1:]}  # (the inode: 7th field)
-        found = {"sockets": 0, "pidfds": 0, "locks": 0}
+        listening = set()
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            for line in list(open(table))[1:]:
+                fields = line.split()
+                if fields[3] == "0A":
+                    listening.add(fields[9])
+        found = {"listeners": 0, "locks": 0}
         for fd in os.listdir("/proc/self/fd"):
             try:
                 target = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:
                 continue
-            if target == "anon_inode:[pidfd]":
-                found["pidfds"] += 1
-            elif target.startswith("socket:[") and target[8:-1] in unix:
-                found["sockets"] += 1
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                found["listeners"] += 1
             elif os.path.basename(target).startswith("nixl-owner.") and target.endswith(".lock"):
                 found["locks"] += 1
         return found

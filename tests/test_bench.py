@@ -146,45 +146,50 @@ def test_the_plugin_rows_judge_each_serving_mode_and_the_connections() -> None:
     assert "| 8 | C++ plug-in | 1 of 20 | 0.010 |" in done.stdout
 
 
-# The standby scenario (who serves the address), with fixed figures: a server killed with idle ranks, 20 ms
-# (helper) and 5 ms (thread), with recording ranks 600 ms (a miss of the 500 ms target), a waiting standby's
-# CPU, one failed request of 600 at a rank's death (a miss), the job's end without loss and with one, the idle
-# server's cost and a new run.
-STANDBY_SCRIPT = """
+# The succession scenario (who serves the address), with fixed figures: server deaths with idle ranks (none
+# failed, the spare answering in 10 ms, a new spare within 200 ms) and recording ranks (one failed request, a
+# miss), a stopped server replaced in 1.5 s, thread mode and a C++ owner, the waiting CPU, one failed request of
+# 600 at a rank's death (a miss), the job's end without loss and with one, the idle server's cost and a new run.
+SUCCESSION_SCRIPT = """
 import sys
 import bench.__main__ as bench_main
-from bench import standby
+from bench import succession
 
 def scenario(settings, results):
-    results.standby.update({
+    results.succession.update({
         "rank_death": [[1, 600]],
-        "takeover": {"helper": {"idle": [0.02], "recording": [0.6], "idle, C++ owner": [0.01]},
-                     "thread": {"idle": [0.005], "recording": [0.006]}},
-        "cpu": {"helper": 0.01, "thread": 0.01},
+        "server_death": {
+            "idle": {"failed": [0, 0], "sent": [100, 90], "spare_s": [0.01, 0.012], "new_spare_s": [0.2, 0.15]},
+            "recording": {"failed": [1, 0], "sent": [100, 90], "spare_s": [0.01, 0.02], "new_spare_s": [0.2, 0.3]}},
+        "stopped": [{"replaced_s": 1.5, "failed": 0, "sent": 300}],
+        "thread": [0.25], "cpp_owner": [0.3],
+        "cpu": {"rank": 0.0, "spare": 0.01},
         "end": {"closed at once": [0, 0], "SIGKILLed at once": [0, 1]},
         "idle": {"cpu_per_s": 0.001, "free_after_ttl_s": 0.3},
         "new_run": {"same_failed": 0, "other_s": 0.04}})
 
-standby.standby = scenario
+succession.succession = scenario
 sys.exit(bench_main.main(sys.argv[1:]))
 """
 
 
-def test_the_standby_rows_judge_each_figure() -> None:
-    done = subprocess.run([sys.executable, "-c", STANDBY_SCRIPT, "--scenarios", "standby", "--check"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0, done.stdout  # --check: the recording takeover, the rank death, a job end miss
+def test_the_succession_rows_judge_each_figure() -> None:
+    done = subprocess.run([sys.executable, "-c", SUCCESSION_SCRIPT, "--scenarios", "succession", "--check"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0, done.stdout  # --check: a server death's failed request, a rank death, a job end
     rows = {cells[0]: cells[1:] for cells in (
         [c.strip() for c in line.strip().strip("|").split("|")] for line in done.stdout.splitlines()
         if line.startswith("|"))}
     assert rows["rank death, the starting rank's included: no failed request (polled every 5 ms)"] == \
         ["1 of 600", "NOT met"]
-    assert rows["the address server SIGKILLed, every rank idle (helper): served again within 500 ms"] == \
-        ["20 ms median", "met"]
-    assert rows["the address server SIGKILLed, standbys recording 10/s (helper): served again within 500 ms"] == \
-        ["600 ms median", "NOT met"]
-    assert rows["the owner SIGKILLed, a C++ owner, idle Python standbys (helper): served again within 500 ms"] == \
-        ["10 ms median", "met"]
+    assert rows["server death, ranks idle: no failed request (polled every 5 ms)"] == ["0 of 190", "met"]
+    assert rows["server death, ranks recording: no failed request (polled every 5 ms)"] == ["1 of 190", "NOT met"]
+    assert rows["server death, ranks idle: the spare answers within 500 ms"] == ["11 ms median", "met"]
+    assert rows["server death, ranks recording: a new spare within 1 s of each"] == ["300 ms at most", "met"]
+    assert rows["a stopped server replaced within 4 s"] == ["1.50 s at most", "met"]
+    assert rows["thread mode, the serving rank SIGKILLed, ranks recording 10/s: served again within 500 ms"] == \
+        ["250 ms median", "met"]
+    assert rows["a waiting spare's CPU per 5 s: under 0.05 s"] == ["0.010 s", "met"]
     assert rows["job end, ranks closed at once: every final value at both scrapers of an HA pair"] == \
         ["0 of 2 trials lost some", "met"]
     assert rows["job end, ranks SIGKILLed at once: every final value at both scrapers of an HA pair"] == \

@@ -147,7 +147,7 @@ def test_forked_child_forgets_without_unlocking(tmp_dir: Path) -> None:
     if pid == 0:  # the child: drop the inherited descriptor, never LOCK_UN
         code = 1
         try:
-            election.forget_after_fork()
+            election.forget()
             code = 0 if not election.held else 2
         finally:
             os._exit(code)

@@ -51,8 +51,6 @@ from app import Exporter
 from app.address.server import CHECK_S
 from app.probe import is_address_server, listening_pids
 from election import lock_file_name
-from election.lock import flock_entries
-from election.standby import holding_off_fork as holding_off_waiter_fork
 from store import EventType
 
 pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("serve_mode")]  # both ways of serving
@@ -544,25 +542,21 @@ def test_dropped_exporter_is_released_like_close(tmp_dir, tmp_path, lock_probe):
         gc.collect()
         address_given_up(solo_dir, solo_port)  # ... its port and its election
         assert lock_probe(solo_store, reaped_ok=True), "... and its store"  # (or reaped: not held)
-        # What stays is the dropped writer's standby, parked in flock() until the owner goes (a blocked flock
-        # cannot be woken without a signal handler of ours): one thread, one descriptor, holding nothing.  (An
-        # owner that handed the address to a server stands by for that server itself: the writer shared it.)
+        # Nothing of theirs stays (thread mode: the dropped owner's serving threads end).
         def ours_left() -> list[str]:
             return [t.name for t in threading.enumerate() if t not in baseline_threads]
 
-        parked = f"nixl-standby-{lock_file_name(f'127.0.0.1:{port}')}"
-        wait_until(lambda: set(ours_left()) <= {parked}, message="the dropped owner's threads to end")
-        # A wait, not a look: a descriptor another thread of the test's process has open for a moment (the owner's
-        # carrier, an HTTP client's socket not yet collected) is not one the dropped exporters left (one CI run).
+        wait_until(lambda: ours_left() == [], message="the dropped owner's threads to end")
+        # A wait, not a look: a descriptor another thread of the test's process has open for a moment (an HTTP
+        # client's socket not yet collected) is not one the dropped exporters left (one CI run).
         try:
-            wait_until(lambda: len(open_fds()) <= len(baseline_fds) + len(ours_left()),
+            wait_until(lambda: len(open_fds()) <= len(baseline_fds),
                        message="the dropped exporters' descriptors to be closed")
         except AssertionError:
             left = {fd: target for fd, target in open_fds().items() if baseline_fds.get(fd) != target}
             raise AssertionError(f"descriptors left open: {left}") from None
         assert owner.serving
     address_given_up(tmp_dir, port)
-    wait_until(lambda: ours_left() == [], message="the parked standby to end with the owner")
 
 
 # -- item: close() joins the scrape threads ------------------------------------------------------------------
@@ -707,37 +701,6 @@ def test_an_address_server_keeps_the_address_while_the_replaced_directorys_ranks
         wait_until(lambda: owner.store_path.exists(), message="the owner's store back at its next export")
         doc = wait_until(lambda: (d := healthz(port))["live"] and d, message="the store served again")
         assert [r["pid"] for r in doc["live"]] == [os.getpid()] and doc["owner"]["server_pid"] == server, doc
-
-
-@pytest.mark.timeout(90)
-def test_the_rank_that_started_a_server_waits_on_its_lock_even_once_the_directory_is_replaced(tmp_dir, serve_mode):
-    """The rank that started the address server stands by for that server's death: it waits on the lock file
-    the server holds, not on the file at the path when its standby's thread first gets to run.  Here that thread
-    runs only after the directory was replaced (held off as a fork holds it off).  (It once opened the path
-    then, made a lock file in the new directory and won it: the server took it for a new run's and gave the
-    address up, or the rank, once its store was back, asked the server for the port and started a second.)"""
-    if serve_mode == "thread":
-        pytest.skip("no address server: the serving rank holds the lock itself")
-    port = free_port()
-    lock = tmp_dir / lock_file_name(f"127.0.0.1:{port}")
-    with holding_off_waiter_fork():  # the standby's thread cannot open a lock file until the block ends
-        owner = Exporter("first", exporter_env(tmp_dir, port))
-        try:
-            assert owner.serving
-            held = os.stat(lock)
-            shutil.rmtree(tmp_dir)
-            tmp_dir.mkdir(mode=0o700)
-        except BaseException:
-            owner.close()
-            raise
-    with owner:
-        server = healthz(port)["owner"]["server_pid"]
-        # The old directory's lock file is still locked (by the server; the kernel names the rank that took it).
-        assert (False, os.getpid()) in flock_entries(held)
-        wait_until(lambda: (True, os.getpid()) in flock_entries(held),
-                   message="the rank's standby waiting on the server's lock file")
-        assert not lock.exists(), "the rank's standby made a lock file in the new directory"
-        assert healthz(port)["owner"]["server_pid"] == server
 
 
 @pytest.mark.timeout(90)

@@ -239,7 +239,8 @@ def test_healthz_reports_every_field(tmp_dir: Path, make_exporter, make_identity
         assert owner["pid"] == owner["server_pid"] == os.getpid()
         assert owner["serving"] == "thread"
     assert owner["started_by"] == os.getpid()
-    assert owner["log_file"] is None  # (an address server's records go to the rank that started it while it lives)
+    # (an address server's records go to its file in the directory; thread mode's, to the rank's own logging)
+    assert owner["log_file"] == (str(tmp_dir / f"nixl-server.127.0.0.1:{port}.log") if serve_mode == "helper" else None)
     assert owner["hostname"] == socket.gethostname()
     assert owner["agent_name"] == "owner-agent"
     assert owner["address"] == f"127.0.0.1:{port}"

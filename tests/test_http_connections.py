@@ -22,7 +22,7 @@ from support import DEADLINE_S, wait_until
 import app.connections
 import app.http
 from app.collector import Collector
-from app.server import BoundedServer, bind_listener, close_listener, serve_in_thread
+from app.server import BoundedServer, bind_listener, serve_in_thread
 from app.web import MetricsApp
 from store import EventType, StoreWriter
 
@@ -68,7 +68,7 @@ def served(tmp_dir: Path, make_identity) -> Iterator[Served]:
         yield served
     finally:
         server.stop()
-        close_listener(listener)
+        listener.close()
         writer.close()
 
 
@@ -284,5 +284,5 @@ def test_spare_threads_end_when_idle_or_stopped(tmp_dir: Path, monkeypatch: pyte
     else:
         assert server.busy()  # a spare thread waits for the next connection
     server.stop()
-    close_listener(listener)
+    listener.close()
     assert not server.busy() and not thread.is_alive()

@@ -210,7 +210,7 @@ def test_the_address_server_loads_no_rank_code(tmp_path: Path) -> None:
 import os, socket, http.client, json, threading
 from pathlib import Path
 import app.address.server as program
-from app.channel import ServerArgs
+from app.launch import ServerArgs
 listener = socket.create_server(("127.0.0.1", 0))
 args = ServerArgs(address="127.0.0.1:1", directory=Path({str(tmp_path)!r}), has_lock=False, problem=None,
                   started_by=os.getppid(), agent_name="a", stale_ttl_s=30.0, serving_since=1.0, replaced_at=1.0,
@@ -230,7 +230,7 @@ server.server.shutdown()
 
 
 def test_server_args_read_back_what_they_write() -> None:
-    from app.channel import ServerArgs
+    from app.launch import ServerArgs
 
     args = ServerArgs(address="127.0.0.1:9090", directory=Path("/run/x"), has_lock=False, problem="no lock",
                       started_by=12, agent_name=None, stale_ttl_s=2.5, serving_since=1.5, replaced_at=None,

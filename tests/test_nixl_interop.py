@@ -55,6 +55,7 @@ from support_nixl import (
 )
 
 from app.config import ConfigError
+from app.probe import SPARE_COMM, is_address_server, listening_pids
 from app.rank.exporter import create_exporter
 from election import lock_file_name
 from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
@@ -170,10 +171,13 @@ def wait_for_python_owner(port: int, rank_pid: int, since: float) -> tuple[float
 
 def end_python_owner(port: int, rank: ExporterRank, holder: int) -> None:
     """End the Python rank that serves: in helper mode its address server (the job's) serves on after the rank's
-    death, so it is SIGKILLed too, after the rank: the address then moves to whoever wins next."""
+    death, so it is SIGKILLed too, after the rank, its spare first: the address then moves to whoever wins next."""
     rank.kill()
     if holder != rank.pid:
         assert healthz(port)["owner"]["server_pid"] == holder  # a rank's death moves nothing
+        for pid in listening_pids(port):
+            if is_address_server(pid, f"127.0.0.1:{port}", (SPARE_COMM,)):
+                os.kill(pid, signal.SIGKILL)
         os.kill(holder, signal.SIGKILL)
 
 
@@ -181,13 +185,14 @@ def end_python_owner(port: int, rank: ExporterRank, holder: int) -> None:
 @pytest.mark.usefixtures("nixl_required")
 def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reaper: Reaper) -> None:
     """The aggregator pod: C++ and Python ranks write, gunicorn serves; exact values, live/stale per process;
-    killing the aggregator hands the address to the Python standby, killing that one (and its address server)
-    to a C++ rank, and a new aggregator takes it back."""
+    killing the aggregator hands the address to the recording Python rank, killing that one (and its address
+    server) to a C++ rank, and a new aggregator takes it back."""
     port = free_port()
     with support_e2e.reaper() as group:
         aggregator = start_aggregator(group, tmp_dir, port)
         c0, c1 = start_cpp_ranks(reaper, tmp_dir, port, ["cpp0", "cpp1"], [{"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}])
-        py = start_exporter_rank(reaper, tmp_dir, port, agent="py2", extra_env={"LOCAL_RANK": "2", **PY_ENV})
+        py = start_exporter_rank(reaper, tmp_dir, port, agent="py2", extra_env={"LOCAL_RANK": "2", **PY_ENV},
+                                 tick_hz=50)
         c0.write(*[4096] * 5)
         c1.write(1000, 1000, 1000, 65536, 65536)
         py.events(PY_EVENTS)
@@ -206,8 +211,8 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
         before = parse_exposition(scrape(port))
         assert_cpp_rank(before, c1.totals)  # a departed rank keeps its last values until the TTL
 
-        # The aggregator goes away: the Python rank, standing by in the kernel, serves at once (helper mode:
-        # through the address server it starts).  Then it goes too (with its server), and the C++ rank that keeps
+        # The aggregator goes away: the Python rank, recording, serves at its next claim (helper mode: through
+        # the address server it starts).  Then it goes too (with its server), and the C++ rank that keeps
         # transferring re-runs its election (as it exports) and serves.
         c0.pump()
         killed = time.monotonic()

@@ -213,7 +213,7 @@ def test_writer_behind_a_sibling_owner_is_quiet(tmp_dir: Path, reaper) -> None:
     assert quiet.stderr() == ""  # logging at WARNING: nothing at all
     lines = chatty.stderr().splitlines()
     assert not [line for line in lines if not line.startswith("INFO ")], lines
-    lost = [line for line in lines if "another process of the run serves" in line]
+    lost = [line for line in lines if "another process serves" in line]
     assert len(lost) == 1 and f"127.0.0.1:{port}" in lost[0]  # said once, at INFO
 
 

@@ -13,14 +13,12 @@ import types
 
 import pytest
 from support import (
-    DEADLINE_S,
     exporter_env,
     free_port,
     healthz,
     parse_exposition,
     reaper_fixture,  # noqa: F401  (a fixture)
     scrape,
-    start_exporter_rank,
     start_rank,
     wait_until,
 )
@@ -90,25 +88,6 @@ def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, r
         if child is not None:
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
-
-
-@pytest.mark.timeout(60)
-def test_an_idle_writer_takes_over_without_exporting(tmp_dir, reaper, serve_mode):
-    """NIXL's C++ plug-in re-elects only as it exports (an idle run stays down); a standby waits in the kernel.
-    What it waits for is the holder's death: the serving rank's in thread mode, the address server's otherwise
-    (killed here with the rank that started it, which would otherwise start the next one)."""
-    port = free_port()
-    owner = start_exporter_rank(reaper, tmp_dir, port, agent="owner")
-    idle = start_exporter_rank(reaper, tmp_dir, port, agent="idle")
-    assert owner.serving_at_start and not idle.serving_at_start
-    server = healthz(port)["owner"]["server_pid"]
-    owner.kill()
-    if serve_mode == "helper":
-        assert healthz(port)["owner"]["server_pid"] == server  # the rank's death moved nothing
-        os.kill(server, signal.SIGKILL)
-    wait_until(idle.serving, timeout=DEADLINE_S, message="the idle writer to take over")
-    assert healthz(port)["owner"]["started_by"] == idle.pid
-    assert "agent_tx_bytes_total" in scrape(port)
 
 
 def test_ranks_split_across_directories_detected_only_from_the_abandoned_side(tmp_path, caplog):

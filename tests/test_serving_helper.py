@@ -48,7 +48,7 @@ from support import (  # noqa: F401  (pytest fixtures)
 )
 
 from app import ConfigError, Exporter
-from app.probe import port_holders
+from app.probe import listening_pids, port_holders
 
 HELPER = {"NIXL_PROMETHEUS_MP_SERVE": "helper"}
 
@@ -132,14 +132,17 @@ def test_the_winning_rank_hands_the_address_to_a_server_that_names_it(tmp_dir: P
     doc = owner(port)
     assert doc["pid"] == server and doc["started_by"] == owner_rank.pid and doc["agent_name"] == "agent-0"
     assert doc["mode"] == "in-process" and doc["election"] == "flock" and doc["serving_since"] is not None
-    assert doc["log_file"] is None  # its records go to the rank that started it, which lives
-    # The server alone holds the port and the lock: the rank kept no copy of either (its standby waits for the
-    # lock in the kernel, holding none).
-    assert port_holders(port) == f"pid {server} (nixl-server)"
+    assert doc["log_file"] == str(tmp_dir / f"nixl-server.127.0.0.1:{port}.log")  # its records go to its file
+    # The server (and its spare) alone hold the port and the lock: the rank kept no copy of either.
+    spare = wait_until(lambda: [p for p in listening_pids(port) if p != server], message="the spare")[0]
+    assert port_holders(port) in (f"pid {server} (nixl-server), pid {spare} (nixl-spare)",
+                                  f"pid {spare} (nixl-spare), pid {server} (nixl-server)")
     lock = str(next(tmp_dir.glob("nixl-owner.*.lock")))
     assert lock in flocked_files(server) and lock not in flocked_files(owner_rank.pid)
-    # Not the rank's child (its launcher is reaped at once): a host waiting for all its children never waits for it.
-    wait_until(lambda: children_of(owner_rank.pid) == [], message="the launcher reaped")
+    # Not the rank's child (its launcher, which forks it and exits, is reaped at the rank's next export): a host
+    # waiting for all its children never waits for it.
+    wait_until(lambda: owner_rank.events([(0, 0)]) and children_of(owner_rank.pid) == [],
+               message="the launcher reaped")
     assert parent_of(server) != owner_rank.pid
     # The server records nothing: the exposition holds the rank's store only.
     owner_rank.events([(0, 5)])
@@ -162,10 +165,9 @@ def test_thread_mode_serves_from_the_rank_itself(tmp_dir: Path, reaper: Reaper) 
     process = start_rank(reaper, THREAD_NAMES, exporter_env(tmp_dir, port, NIXL_PROMETHEUS_MP_SERVE="thread"))
     started = json.loads(process.readline(START_DEADLINE_S))
     pid = started["pid"]
-    # Served from the constructor on, by a thread of its own; no server started, no carrier, no standby.
+    # Served from the constructor on, by a thread of its own; no server started.
     assert started["serving"] is True
     assert f"nixl-metrics-{port}" in started["threads"], started
-    assert not [t for t in started["threads"] if t.startswith(("nixl-server-log", "nixl-standby"))], started
     doc = owner(port)
     assert doc["serving"] == "thread" and doc["server_pid"] == doc["pid"] == doc["started_by"] == pid
     assert port_holders(port).startswith(f"pid {pid} (")
@@ -205,7 +207,6 @@ def test_without_a_usable_interpreter_the_rank_serves_from_a_thread_with_one_war
                           args=(executable,))
     started = json.loads(embedded.readline(START_DEADLINE_S))
     assert started["serving"] is True and f"nixl-metrics-{port}" in started["threads"], started
-    assert not [t for t in started["threads"] if t.startswith("nixl-server-log")], started
     doc = owner(port)
     assert doc["serving"] == "thread" and doc["server_pid"] == doc["started_by"] == embedded.pid
     assert port_holders(port).startswith(f"pid {embedded.pid} (")
@@ -255,14 +256,14 @@ def test_the_endpoint_answers_while_the_rank_is_stopped(tmp_dir: Path, reaper: R
         assert process_state(owner_rank.pid) == "T"  # answered while it was stopped throughout
     finally:
         os.kill(owner_rank.pid, signal.SIGCONT)
-    # Resumed, the rank still has its server (its missed pings were answered meanwhile): nothing was replaced.
+    # Resumed, the rank still has its server: nothing was replaced.
     assert owner_rank.serving()
     assert owner(port)["server_pid"] == server
 
 
 def test_a_server_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, reaper: Reaper) -> None:
     """accept() failing with EMFILE in the server (its own descriptor limit) pauses instead of spinning, is said
-    once in the rank's log, and the server answers the waiting connection as soon as it has descriptors again:
+    once in its log file, and the server answers the waiting connection as soon as it has descriptors again:
     it never exits."""
     port = free_port()
     owner_rank = rank(reaper, tmp_dir, port)
@@ -300,12 +301,13 @@ def test_a_server_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, 
     assert reply.split(b"\r\n", 1)[0].endswith(b" 200 OK") and b"agent_tx_bytes_total" in reply, reply[:200]
     assert owner(port)["server_pid"] == server  # the same server, still serving
 
-    def said() -> list[str]:
-        return [line for line in owner_rank.stderr().splitlines() if "cannot accept connections" in line]
+    log_file = Path(owner(port)["log_file"])
 
-    # The record reaches the rank's log over the channel, maybe after the reply: wait for it, then it is said once.
-    wait_until(said, message="the server's warning in the rank's stderr")
-    assert len(said()) == 1 and f"address server (pid {server})" in said()[0], owner_rank.stderr()
+    def said() -> list[str]:
+        return [line for line in log_file.read_text().splitlines() if "cannot accept connections" in line]
+
+    wait_until(said, message="the server's warning in its log file")
+    assert len(said()) == 1 and f"pid {server} WARNING" in said()[0], log_file.read_text()
 
 
 # -- a fork, a host's SIGCHLD --------------------------------------------------------------------------------------
@@ -344,24 +346,14 @@ def test_a_forked_child_never_inherits_the_server(tmp_dir: Path, reaper: Reaper)
     parent = start_rank(reaper, FORKING_RANK, exporter_env(tmp_dir, port, **HELPER))
     parent_pid = json.loads(parent.readline(START_DEADLINE_S))["pid"]
     server = wait_for_server(port, parent_pid)
-
-    def held() -> bool:  # the parent's link to it: the channel, and the server's pidfd once it said it is ready
-        parent.send("held")
-        found = json.loads(parent.readline())
-        return found["sockets"] >= 1 and found["pidfds"] >= 1
-
-    wait_until(held, message="the parent holding the server's channel and pidfd")
+    nothing = {"listeners": 0, "locks": 0}
+    parent.send("held")
+    assert json.loads(parent.readline()) == nothing  # the parent itself holds neither: the server does
     parent.send("fork")
     report = json.loads(parent.readline())
-    nothing = {"sockets": 0, "pidfds": 0, "locks": 0}
     assert report["inherited"] == nothing and report["after_close"] == nothing, report
-    # The child's close left the server serving both, and the parent's channel to it open: its records still
-    # reach the parent's log.
+    # The child's close left the server serving both.
     assert pids_in(parse_exposition(scrape(port))) == {parent_pid, report["child"]}
-    assert owner(port)["server_pid"] == server and owner(port)["log_file"] is None
-    (tmp_dir / "nixl.1.9.0.mmap").write_bytes(b"not a store")  # warned about by the server's next scrape
-    scrape(port)
-    wait_until(lambda: f"address server (pid {server})" in parent.stderr_text(), message="the server's record")
     assert owner(port)["server_pid"] == server
 
 
@@ -396,19 +388,17 @@ def test_a_host_ignoring_or_reaping_sigchld_gets_its_killed_server_replaced_and_
     host = start_rank(reaper, SIGCHLD_HOST, exporter_env(tmp_dir, port, **HELPER), args=(sigchld,))
     host_pid = json.loads(host.readline(START_DEADLINE_S))["pid"]
     killed: tuple[int, ...] = ()
-    for _ in range(2):  # the host records nothing: its standby, not its export path, starts the next one
+    for _ in range(2):  # each server's spare takes its place, and starts a spare of its own
         server = wait_for_server(port, host_pid, not_in=killed)
         os.kill(server, signal.SIGKILL)
         killed += (server,)
     last = wait_for_server(port, host_pid, not_in=killed)
-    # Each launcher was reaped (by us, by the kernel, or by the host's handler), and no server is the host's child.
-    wait_until(lambda: children_of(host_pid) == [], message="no child of the host left, not even a zombie")
-    host.send("close")
+    host.send("close")  # (the host recorded nothing since: its close reaps its launcher, if nothing else did)
     assert json.loads(host.readline()) == {"closed": True, "serving": False}
-    # The server is the job's: it serves on, logging to its file now that the host's channel is closed.
-    wait_until(lambda: owner(port)["log_file"], message="the server logging to its file")
+    # The launcher was reaped (by us, by the kernel, or by the host's handler), and no server is the host's child.
+    wait_until(lambda: children_of(host_pid) == [], message="no child of the host left, not even a zombie")
+    # The server is the job's: it serves on.
     assert owner(port)["server_pid"] == last and host_pid in pids_in(parse_exposition(scrape(port)))
-    assert children_of(host_pid) == []
 
 
 # -- the hand-over: no connection is refused or cut ---------------------------------------------------------------

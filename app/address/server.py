@@ -1,28 +1,34 @@
-"""The address server's program: one process per scrape address, serving what the directory publishes.
+"""The address server's program, and its spare's: one server per scrape address, serving what the directory
+publishes, and one spare waiting to replace it.
 
-The rank that wins an address's election starts it (app.rank.spawn) and hands it the election's lock and the
-bound listener over its stdin, a SOCK_SEQPACKET channel (app.rank.channel), then keeps no copy of either: from
-then on this process alone holds the address.  It belongs to the job, not to the rank that started it:
+The rank that wins an address's election starts the server (app.launch) and hands it the election's
+lock and the bound listener, then keeps no copy of either: from then on this process alone holds the address.
+It belongs to the job, not to the rank that started it:
 
 * **It publishes what any owner publishes, for as long as that lasts**: every live store, and every departed
   one until its TTL after its last update.  A rank's death or close() changes nothing here.
-* **It exits only when nothing is left to publish**: no store live, none within its TTL.  Then the port is
-  closed and the lock released at once, in that order (a standby that wins must find the port free).  While
-  nobody scrapes it looks at the directory only when something can have ended: every CHECK_S while a store is
-  live (a live writer may depart at any moment; its values then stay for the TTL anyway), and at the instant
-  the last departed store's TTL runs out otherwise.  No polling in between.
+* **It exits only when nothing is left to publish**: no store live, none within its TTL.  Then its spare goes,
+  the port is closed and the lock released, in that order (whoever wins the lock next must find the port
+  free).  While nobody scrapes it looks at the directory only when something can have ended: every CHECK_S
+  while a store is live (a live writer may depart at any moment; its values then stay for the TTL anyway),
+  and at the instant the last departed store's TTL runs out otherwise.  No polling in between.
+* **It guards its own succession with a spare**: a process of ours, started like the server, that holds a copy
+  of the listener and blocks in ``flock(LOCK_EX)`` on a description of its own of the lock file.  The
+  server's death (a crash, an OOM kill, an operator's kill) hands the lock to the spare, which serves the
+  same socket at once (connections waiting in the backlog are answered, none refused), then starts its own
+  spare.  A server the kernel reports stopped (state T: SIGSTOP, a debugger) is killed by its spare, which
+  then takes over the same way.  A slow server is never replaced: nothing but the kernel decides that a
+  process is gone.  The server starts a new spare whenever its spare dies.
 * **It gives the port up to a new run** of another directory (SIGUSR1 from that run's rank, which found the
   port held): at once if nothing here is live, else it keeps it and the newcomer warns naming this process.
   Of its own directory removed and recreated, it gives the port up to the rank elected on the new lock file,
-  when that rank asks, and only then: a lock file there says nobody wants the port until someone asks.
-* **Its logs** go to the rank that started it while that rank holds the channel, then to a bounded file in the
-  directory (LOG_NAME), which /healthz names.  Never to a terminal: its stdout and stderr are /dev/null.
-* **A stopped server is replaced** by the rank that started it, which pings it over the channel (it answers
-  from the main loop).  Its death frees the lock, and a standby rank starts another (app.rank.endpoint).
+  when that rank asks, and only then.
+* **Its logs** go to a bounded file in the directory (LOG_NAME), from the start, which /healthz names.  Never
+  to a terminal: its stdout is its starter's status pipe (then /dev/null), its stderr /dev/null.
 
-Signals: SIGTERM ends it cleanly (the address is given up, a standby takes it); SIGUSR1 asks it to yield the
-port; the terminal's signals are ignored (they are for the job).  Handlers only write to the wake pipe: one
-loop (``_Server.run``) decides everything, as gunicorn's arbiter does.
+Signals: SIGTERM ends it cleanly (the address is given up); SIGUSR1 asks it to yield the port; the terminal's
+signals are ignored (they are for the job).  Handlers only write to the wake pipe: one loop (``_Server.run``)
+decides everything, as gunicorn's arbiter does.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import logging
 import logging.handlers
@@ -37,23 +44,16 @@ import os
 import select
 import signal
 import socket
+import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from app.channel import (
-    ERROR,
-    MAX_MESSAGE,
-    PING,
-    PONG,
-    READY,
-    STATE,
-    TRANSIENT_EXIT,
-    ChannelHandler,
-    ServerArgs,
-)
 from app.collector import Collection, Collector
 from app.health import OwnerWatch, health_warnings, owner_doc, replaced_warning
+from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch
+from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, process_state
 from app.server import serve_in_thread
 from app.web import MetricsApp
 from election import OwnerElection
@@ -62,30 +62,24 @@ log = logging.getLogger("nixl_prometheus_mp")
 
 CHECK_S = 10.0  # while a store is live: how often the directory is looked at (at most the TTL, at least MIN_CHECK_S)
 MIN_CHECK_S = 1.0
-SERVER_COMM = "nixl-server"  # its process name (``ps -e``, /proc/PID/comm), set as it starts
-LOG_NAME = "nixl-server.{address}.log"  # in the directory, once the starting rank is gone
+LOG_NAME = "nixl-server.{address}.log"  # in the directory
 LOG_MAX_BYTES = 1 << 20  # the log file is rotated at this size, one old file kept: at most 2 MiB
 KILL_WAIT_S = 2.0  # how long an exiting server lets the answers being written finish
+STOP_LOOK_S = 1.0  # how often a spare asks the kernel whether its server is stopped (the server's death wakes it)
+SPARE_RETRY_MIN_S, SPARE_RETRY_MAX_S = 0.5, 30.0  # between starts of a spare that keeps failing to start
+_SPARE_EXIT_WAIT_S = 5.0  # an exiting server waits this long for its spare's end (SIGKILLed: milliseconds)
 _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 _PR_SET_NAME = 15  # <linux/prctl.h>
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>
 _DAC_CAPABILITIES = (1 << 1) | (1 << 2) | (1 << 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
 _SCARCE = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+_STATUS_FD = 1  # the starter's status pipe, until this process serves (or, a spare, waits)
 
 
 def log_path(directory: Path, address: str) -> Path:
-    """The file a server's records go to once the rank that started it is gone."""
+    """The file a server's records go to."""
     return directory / LOG_NAME.format(address=address.replace("/", "_"))
-
-
-def exit_code(exc: BaseException) -> int:
-    """The exit status of a server that failed with ``exc``: TRANSIENT_EXIT for a shortage of the system."""
-    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in _SCARCE):
-        return TRANSIENT_EXIT
-    if isinstance(exc, RuntimeError) and "thread" in str(exc):  # "can't start new thread": RLIMIT_NPROC
-        return TRANSIENT_EXIT
-    return 1
 
 
 def next_check_s(collection: Collection, ttl_s: float) -> float | None:
@@ -100,34 +94,90 @@ def next_check_s(collection: Collection, ttl_s: float) -> float | None:
     return max(pending, default=None)
 
 
-def main() -> None:
+def main(state_json: str) -> None:
     """The program (the bootstrap forked already: this process is nobody's child in the host); never returns."""
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    _set_comm(SERVER_COMM)
     for signum in _TERMINAL_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a host may have ignored it: exec keeps SIG_IGN
-    channel = socket.socket(fileno=0)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)  # (stdin was the bootstrap)
+    os.close(null)
     try:
-        data, fds, flags, _ = socket.recv_fds(channel, MAX_MESSAGE, 2)
-        if not data.startswith(STATE):
-            os._exit(0)  # end of file: the rank stopped us before it gave us anything
-        if flags & socket.MSG_CTRUNC:  # no descriptor free for what it sent
-            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-        args = ServerArgs.from_json(json.loads(data[1:]))
+        state = json.loads(state_json)
+        args = ServerArgs.from_json(state["args"])
+        spare = state["role"] == "spare"
+        _set_comm(SPARE_COMM if spare else SERVER_COMM)
+        _log_to_file(args)
         _drop_capabilities(args.directory)
-        server = _Server(args, channel, socket.socket(fileno=fds[0]), fds[1] if len(fds) > 1 else None)
+        listener = socket.socket(fileno=state["listener_fd"])
+        lock_fd = state["lock_fd"]
+        if spare:
+            _wait_for_the_lock(lock_fd, int(state["server_pid"]), args.address)
+            _set_comm(SERVER_COMM)
+            args = ServerArgs.from_json({**args.to_json(), "serving_since": time.time()})
+        server = _Server(args, listener, lock_fd, tell_starter=not spare)
     except BaseException as exc:
-        with contextlib.suppress(OSError):  # best effort, never blocking: the rank logs why we failed
-            channel.send(ERROR + f"{type(exc).__name__}: {exc}".encode(errors="replace")[:4000], socket.MSG_DONTWAIT)
-        os._exit(exit_code(exc))
+        log.error("the address server of %s could not start", state_json[:200], exc_info=True)
+        _tell_starter(ERROR + f"{type(exc).__name__}: {exc}".replace("\n", " ")[:4000])
+        os._exit(75 if _is_scarce(exc) else 1)  # (EX_TEMPFAIL: the starter may try again later)
     os._exit(server.run())
 
 
+def _is_scarce(exc: BaseException) -> bool:
+    """A shortage of the system (a process, a thread, a descriptor, memory), which may pass."""
+    return (isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in _SCARCE)
+            or (isinstance(exc, RuntimeError) and "thread" in str(exc)))
+
+
+def _tell_starter(line: str) -> None:
+    """One status line to whoever started us (never blocking: a starter that is gone reads nothing)."""
+    with contextlib.suppress(OSError):
+        os.set_blocking(_STATUS_FD, False)
+        os.write(_STATUS_FD, line.encode(errors="replace") + b"\n")
+
+
+def _done_telling_starter() -> None:
+    """The status pipe's end of file: the starter stops listening, and holds no descriptor of ours any more."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, _STATUS_FD)
+    os.close(null)
+
+
 def _set_comm(name: str) -> None:
-    """PR_SET_NAME: ``ps -e`` and /proc/PID/comm name the server, not "python" (nothing else changes)."""
+    """PR_SET_NAME: ``ps -e`` and /proc/PID/comm name the process, not "python" (nothing else changes)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode(), 0, 0, 0)
+
+
+class _LogFile(logging.handlers.RotatingFileHandler):
+    """The server's log file, opened as hostile input: in a shared directory, a co-tenant may have put a
+    symlink, a FIFO or a file of its own at its path.  Only a regular file of ours is written (created 0600,
+    never following a link, never blocking); anything else raises, and the server logs nowhere."""
+
+    def _open(self) -> Any:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        fd = os.open(self.baseFilename, flags, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{self.baseFilename} is not a regular file of uid {os.geteuid()}")
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
+def _log_to_file(args: ServerArgs) -> None:
+    root = logging.getLogger("nixl_prometheus_mp")
+    root.setLevel(args.log_level)
+    root.propagate = False
+    try:
+        handler: logging.Handler = _LogFile(log_path(args.directory, args.address), maxBytes=LOG_MAX_BYTES,
+                                            backupCount=1)
+        handler.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(levelname)s %(name)s: %(message)s"))
+    except OSError as exc:
+        handler = logging.NullHandler()
+        _tell_starter(WARNING + f"the address server of {args.address} logs nowhere: its log file cannot be "
+                      f"used ({exc.strerror or exc})")
+    root.addHandler(handler)
 
 
 def _drop_capabilities(directory: Path) -> None:
@@ -151,32 +201,85 @@ def _drop_capabilities(directory: Path) -> None:
         log.warning("the address server could not drop its capabilities: %s", os.strerror(ctypes.get_errno()))
 
 
+# -- the spare -------------------------------------------------------------------------------------------------
+
+def _wait_for_the_lock(lock_fd: int, server_pid: int, address: str) -> None:
+    """(The spare) Return holding the lock: the kernel hands it over as the server's last descriptor of it
+    closes, however the server went.  A server the kernel reports stopped is killed first."""
+    try:
+        pidfd = os.pidfd_open(server_pid)
+    except OSError:
+        pidfd = -1  # gone already: the lock is free, or whoever holds it now is waited for like the server
+    if pidfd >= 0 and not is_address_server(server_pid, address):
+        os.close(pidfd)  # (the pid is another process's by now: the server is gone)
+        pidfd = -1
+    _tell_starter(READY + str(os.getpid()))
+    _done_telling_starter()
+    if pidfd >= 0:
+        threading.Thread(target=_replace_if_stopped, args=(pidfd, server_pid, address), name="nixl-spare-watch",
+                         daemon=True).start()
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # no GIL, no CPU: the kernel wakes us
+    log.warning("the address server of %s (pid %d) is gone; its spare (pid %d) serves the address now",
+                address, server_pid, os.getpid())
+
+
+def _replace_if_stopped(pidfd: int, server_pid: int, address: str) -> None:
+    """(The spare's watch thread) Until the server is gone: if the kernel says it is stopped, kill it.
+
+    A stopped server holds the lock and the port and answers nobody (SIGSTOP, a debugger).  A slow one is
+    never killed: only its state, which the kernel keeps, is looked at.
+    """
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    while not poller.poll(int(STOP_LOOK_S * 1000)):
+        if process_state(server_pid) in ("T", "t"):
+            log.warning("the address server of %s (pid %d) is stopped (SIGSTOP, or a debugger); its spare kills "
+                        "it and serves the address", address, server_pid)
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # a pidfd never names a reused pid
+            break
+    os.close(pidfd)
+
+
+# -- the server ------------------------------------------------------------------------------------------------
+
+class _Spare:
+    """The server's spare, from its launch until its end."""
+
+    def __init__(self, started: Started) -> None:
+        self.started = started
+        self.pid: int | None = None
+        self.pidfd = -1
+        self.said: str | None = None  # why it failed, if it said so
+
+    def close(self) -> None:
+        self.started.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
 class _Server:
-    def __init__(self, args: ServerArgs, channel: socket.socket, listener: socket.socket, lock_fd: int | None) -> None:
+    def __init__(self, args: ServerArgs, listener: socket.socket, lock_fd: int | None, tell_starter: bool) -> None:
         self.args = args
-        self.channel: socket.socket | None = channel
         self.listener = listener
         self.log_file = log_path(args.directory, args.address)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._signals: set[int] = set()
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self._on_signal)
-        self._root = logging.getLogger("nixl_prometheus_mp")
-        self._root.setLevel(args.log_level)
-        self._root.propagate = False
-        self._handler: logging.Handler = ChannelHandler(channel, f"address server (pid {os.getpid()}): ")
-        self._root.addHandler(self._handler)
         election = self.election = OwnerElection(args.directory, args.address, problem=args.problem)
         if lock_fd is not None:
             election.adopt(lock_fd)  # (no unlock and relock: the lock stays held throughout)
         owners = OwnerWatch(args.directory, args.address)
         self.collector = Collector(args.directory, args.stale_ttl_s)
+        logs_nowhere = not any(isinstance(h, _LogFile) for h in logging.getLogger("nixl_prometheus_mp").handlers)
 
         def owner() -> dict[str, Any]:
             return owner_doc(pid=os.getpid(), agent_name=args.agent_name, address=args.address, mode="in-process",
                              flock=args.problem is None, since=args.serving_since, server_pid=os.getpid(),
                              serving="helper", started_by=args.started_by,
-                             log_file=None if self.channel is not None else str(self.log_file))
+                             log_file=None if logs_nowhere else str(self.log_file))
 
         def warnings() -> list[Any]:
             replaced = [] if args.replaced_at is None else [replaced_warning(args.directory, args.replaced_at)]
@@ -184,6 +287,12 @@ class _Server:
 
         self.app = MetricsApp(self.collector, owner, warnings, on_scrape=owners.poll)
         self.server, self.thread = serve_in_thread(listener, self.app, f"nixl-server-{args.address}")
+        if tell_starter:
+            _tell_starter(READY + str(os.getpid()))
+            _done_telling_starter()
+        self._spare: _Spare | None = None
+        self._spare_failures = 0
+        self._spare_at = time.monotonic()  # no new spare before this (CLOCK_MONOTONIC)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only queue it: the loop decides (a handler may interrupt anything, the serving threads' locks included).
@@ -192,13 +301,12 @@ class _Server:
             os.write(self._wake_w, b"!")
 
     def run(self) -> int:
-        if self.channel is not None:
-            with contextlib.suppress(OSError):  # the rank may be gone already: the end of file comes next
-                self.channel.send(READY + str(os.getpid()).encode(), socket.MSG_DONTWAIT)
         why = self._loop()
         log.info("giving %s up: %s", self.args.address, why)
-        # The port first, then the lock: a standby that wins the lock must find the port free.  Then the
-        # answers being written finish (bounded) before the process exits.
+        # The spare first (it holds a copy of the listener, and would take the lock up), then the port, then
+        # the lock: whoever wins the lock next must find the port free.  Then the answers being written finish
+        # (bounded) before the process exits.
+        self._end_spare()
         self.server.abandon()
         self.listener.close()
         self.election.release()
@@ -210,13 +318,8 @@ class _Server:
 
     def _loop(self) -> str | None:
         """Serve until nothing is left to publish (why, for the log), or the serving thread died (None)."""
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        if self.channel is not None:
-            poller.register(self.channel.fileno(), select.POLLIN)
         check_at = time.monotonic()
         lost_since: float | None = None  # the directory has been out of sight since then
-        pong_owed = False
         while True:
             now = time.monotonic()
             if now >= check_at:
@@ -244,8 +347,23 @@ class _Server:
                 else:
                     lost_since = None
                     check_at = now + left_s
-            timeout_s = 0.05 if pong_owed else max(0.0, check_at - time.monotonic())
-            events = dict(poller.poll(int(timeout_s * 1000) + 1))
+            if self._spare is None and self.election.held and now >= self._spare_at:
+                self._start_spare()
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            wake_at = check_at if self._spare is not None or not self.election.held else min(check_at, self._spare_at)
+            if self._spare is not None:
+                if self._spare.started.status_fd >= 0:
+                    poller.register(self._spare.started.status_fd, select.POLLIN)
+                if self._spare.pidfd >= 0:
+                    poller.register(self._spare.pidfd, select.POLLIN)
+                if self._spare.started.launcher is not None:
+                    wake_at = min(wake_at, now + 0.05)  # (it exits within milliseconds: reaped at the next turn)
+            watched = (-1, -1) if self._spare is None else (self._spare.started.status_fd, self._spare.pidfd)
+            events = dict(poller.poll(int(max(0.0, wake_at - time.monotonic()) * 1000) + 1))
+            if self._spare is not None:
+                # (by the numbers polled: one closed meanwhile may be reused before this looks at them)
+                self._look_at_spare({fd for fd in watched if fd >= 0 and fd in events})
             if self._wake_r in events:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
@@ -260,18 +378,8 @@ class _Server:
                         return "a rank of another run asks for the port, and no rank is live here"
                     log.info("a rank of another run asks for %s, but %d rank(s) of %s are live: keeping it",
                              self.args.address, len(collection.live), self.args.directory)
-            if self.channel is not None and self.channel.fileno() in events:
-                pong_owed = self._read_channel(poller) or pong_owed
-            if pong_owed and self.channel is not None:
-                try:
-                    self.channel.send(PONG, socket.MSG_DONTWAIT)
-                    pong_owed = False
-                except BlockingIOError:
-                    pass  # full of log records the rank has not read yet: again in a moment
-                except OSError:
-                    self._rank_gone(poller)
             if not self.thread.is_alive():
-                log.error("the serving thread of %s ended; exiting so that a standby rank starts a new server",
+                log.error("the serving thread of %s ended; exiting so that the spare takes the address over",
                           self.args.address)
                 return None
 
@@ -279,35 +387,79 @@ class _Server:
         """The lock file at our path is another one than ours: a new directory took the old one's place."""
         return self.election.path.exists() and self.election.lock_file_replaced()
 
-    def _read_channel(self, poller: select.poll) -> bool:
-        """Read what the rank sent; whether a ping wants its answer."""
-        assert self.channel is not None
-        pinged = False
-        while True:
-            try:
-                message = self.channel.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return pinged
-            except OSError:
-                message = b""
-            if not message:
-                self._rank_gone(poller)
-                return False
-            pinged = pinged or message == PING
+    # -- the spare -------------------------------------------------------------------------------------------
 
-    def _rank_gone(self, poller: select.poll) -> None:
-        """The starting rank closed its channel (closed its Exporter, exited, died): logs go to the file."""
-        assert self.channel is not None
-        poller.unregister(self.channel.fileno())
+    def _start_spare(self) -> None:
+        """Launch a spare on a description of the lock file of its own (ours would share our lock with it)."""
+        lock_fd = self.election.descriptor
+        assert lock_fd is not None
+        spare_lock = -1
         try:
-            handler: logging.Handler = logging.handlers.RotatingFileHandler(
-                self.log_file, maxBytes=LOG_MAX_BYTES, backupCount=1, delay=True)
-            handler.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(levelname)s %(name)s: %(message)s"))
-        except OSError:
-            handler = logging.NullHandler()
-        self._root.removeHandler(self._handler)
-        self._root.addHandler(handler)
-        self._handler = handler
-        with contextlib.suppress(OSError):
-            self.channel.close()
-        self.channel = None
+            spare_lock = os.open(f"/proc/self/fd/{lock_fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY)
+            started = launch("spare", self.args, self.listener.fileno(), spare_lock, {"server_pid": os.getpid()})
+        except (OSError, StartFailed) as exc:
+            self._spare_failed(str(exc))
+            return
+        finally:
+            if spare_lock >= 0:
+                os.close(spare_lock)
+        self._spare = _Spare(started)
+
+    def _look_at_spare(self, ready: set[int]) -> None:
+        """The spare's descriptors that the last poll found ready: its status, its pidfd."""
+        spare = self._spare
+        assert spare is not None
+        spare.started.reap()
+        if spare.started.status_fd in ready and _read_status(spare):
+            self._spare = None
+            spare.close()
+            self._spare_failed(f"it exited before it was ready ({spare.said or 'killed?'})")
+        elif spare.pidfd >= 0 and spare.pidfd in ready:
+            log.warning("the spare of the address server of %s (pid %s) is gone; starting another",
+                        self.args.address, spare.pid)
+            self._spare = None
+            spare.close()
+        elif spare.pid is not None:
+            self._spare_failures = 0
+
+    def _spare_failed(self, words: str) -> None:
+        self._spare_failures += 1
+        pause_s = min(SPARE_RETRY_MIN_S * 2 ** (self._spare_failures - 1), SPARE_RETRY_MAX_S)
+        self._spare_at = time.monotonic() + pause_s
+        log.warning("the spare of the address server of %s cannot be started (%s); trying again in %.1f s. Until "
+                    "one runs, this server's death leaves the address to the next rank that records",
+                    self.args.address, words, pause_s)
+
+    def _end_spare(self) -> None:
+        """Kill the spare and wait (bounded) for its end: it holds a copy of the listener."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        deadline = time.monotonic() + _SPARE_EXIT_WAIT_S
+        poller = select.poll()
+        if spare.pid is None and spare.started.status_fd >= 0:  # still starting: its pid comes first
+            poller.register(spare.started.status_fd, select.POLLIN)
+            while time.monotonic() < deadline and poller.poll(int((deadline - time.monotonic()) * 1000) + 1):
+                if _read_status(spare) or spare.pid is not None:
+                    break
+        if spare.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(spare.pidfd, signal.SIGKILL)
+            poller = select.poll()
+            poller.register(spare.pidfd, select.POLLIN)
+            poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000) + 1)
+        spare.started.reap()
+        spare.close()
+
+
+def _read_status(spare: _Spare) -> bool:
+    """Read what the spare said (its pid, once it waits for the lock); whether it ended without being ready."""
+    lines, ended = spare.started.read_status()
+    for line in lines:
+        if line.startswith(READY) and spare.pid is None:
+            with contextlib.suppress(OSError, ValueError):
+                spare.pidfd = os.pidfd_open(int(line[1:]))
+                spare.pid = int(line[1:])
+        elif line.startswith(ERROR):
+            spare.said = line[1:]
+    return ended and spare.pid is None

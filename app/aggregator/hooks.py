@@ -130,7 +130,7 @@ def worker_forked() -> None:
     and would back off for seconds.
     """
     if master.election is not None and master.pid != os.getpid():
-        master.election.forget_after_fork()
+        master.election.forget()
         die_with_parent(master.pid)
 
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import logging
 import os
@@ -22,6 +21,8 @@ from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, 
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
 from app.probe import (
+    SERVER_COMM,
+    SPARE_COMM,
     die_with_parent,
     exit_words,
     get_healthz,
@@ -29,6 +30,7 @@ from app.probe import (
     listening_pids,
     listening_sockets,
     port_holders,
+    signal_address_server,
 )
 from store import EventType
 
@@ -266,21 +268,18 @@ def _serve_final_values(port: int, ttl_s: float, stop: StopSignals) -> None:
 
 
 def _stop_server(port: int) -> None:
-    """Stop the demo's address server, if it still serves (the demo was stopped, or failed), before its
-    directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it running.
-    A server still starting is held by no process: its listener is in flight to it (queued on its channel before
-    its interpreter started), so a listening port with no holder in sight is waited on until one shows."""
+    """Stop the demo's address server and its spare, if they still serve (the demo was stopped, or failed),
+    before its directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it
+    running.  A server still starting may hold the port before it shows as our server: waited on until it does."""
+    address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_STOP_S
-    stopped: set[int] = set()
     while listening_sockets(port) and time.monotonic() < deadline:
         holders = listening_pids(port)
-        servers = {pid for pid in holders if is_address_server(pid)}
-        if holders and not servers:
+        ours = [pid for pid in holders if is_address_server(pid, address, (SERVER_COMM, SPARE_COMM))]
+        if holders and not ours:
             return  # another program's listener: not the demo's to stop
-        for pid in servers - stopped:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)  # it gives the port up and exits
-        stopped |= servers
+        for pid in ours:  # SIGTERM: a server gives the port up (its spare first) and exits; a spare just ends
+            signal_address_server(pid, address, signal.SIGTERM, (SERVER_COMM, SPARE_COMM))
         time.sleep(0.02)
 
 

@@ -19,7 +19,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.aggregator.hooks import hold_election, port_problem, release_election
     from app.aggregator.settings import prepare_standalone
     from app.aggregator.wsgi import build_app
-    from app.server import bind_listener, close_listener, serve_in_thread
+    from app.server import bind_listener, serve_in_thread
 
     config = Config.from_env()
     prepare_standalone(config)
@@ -34,7 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             server, thread = serve_in_thread(sock, build_app(config, serving="werkzeug"), "nixl-aggregator")
         finally:
-            close_listener(sock)  # the server serves its own duplicate
+            sock.close()  # the server serves its own duplicate
         log.info("serving %s on http://%s/metrics", config.directory, config.address)
         while not stop.wait(0.5) and thread.is_alive():
             pass

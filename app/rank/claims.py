@@ -1,6 +1,6 @@
 """What the operator reads about a rank's claims on its scrape address.
 
-app.rank.endpoint decides, under its lock, and reports each takeover's outcome as a ``TakeOver`` value; the
+app.rank.endpoint decides, under its lock, and reports each claim's outcome as a ``TakeOver`` value; the
 log lines are written here, after the lock is released, each kind once until the rank serves again.
 """
 
@@ -26,10 +26,12 @@ NEVER = 1 << 63
 class Claim(Enum):
     """How one attempt to take the address over ended."""
 
-    SERVING = "serving"  # won and bound: this process serves the address now
+    SERVING = "serving"  # won and bound: this process serves the address now, from a thread
+    STARTED = "started"  # won and bound: an address server was started and holds the address now
     LOST = "lost"  # another process holds the election
     SHORT = "short"  # out of descriptors, threads or memory (or the election was): conceded, retried later
     UNBOUND = "unbound"  # won, but the bind failed (the port is held, or not ours to bind): conceded
+    ASKED = "asked"  # won, but another run's address server holds the port: asked to give it up, tried again soon
     CLOSED = "closed"  # close() ran (in a signal handler) during the takeover, which undid it
 
 
@@ -43,8 +45,9 @@ class TakeOver:
     no_helper: str | None = None  # SERVING: why the address is served from a thread, not an address server
 
     def next_claim_ns(self, now_ns: int) -> int:
-        """When to try again: soon after a loss, later after a concession, never once serving (or closed)."""
-        if self.claim is Claim.LOST:
+        """When to try again: soon after a loss or a start (the server and its spare may both go some day),
+        later after a concession, never once serving from a thread (or closed)."""
+        if self.claim in (Claim.LOST, Claim.STARTED, Claim.ASKED):
             return now_ns + RETRY_NS
         if self.claim in (Claim.SHORT, Claim.UNBOUND):
             return now_ns + BACKOFF_NS
@@ -68,19 +71,21 @@ class ClaimLog:
         if outcome.claim is Claim.LOST:
             if not self._lost_logged:
                 self._lost_logged = True
-                log.info("another process of the run serves %s; this one records its telemetry for it and "
-                         "takes the address over the moment that process is gone", self.address)
+                log.info("another process serves %s; this one records its telemetry for it, and takes the "
+                         "address over as it records if that process (and its spare) are gone", self.address)
         elif outcome.claim is Claim.SHORT:
             self.shortage(outcome.reason or "unknown")
         elif outcome.claim is Claim.UNBOUND:
             assert outcome.bind_error is not None
             self._concede(outcome.bind_error)
-        elif outcome.claim is Claim.SERVING:
+        elif outcome.claim in (Claim.SERVING, Claim.STARTED):
             if outcome.no_helper is not None:
                 self._no_helper(outcome.no_helper)
             if self._bind_warned or self._lost_logged or self._shortage_logged:
                 log.info("took over %s: this process now serves the run's telemetry", self.address)
-            self._bind_warned = self._lost_logged = self._shortage_logged = False
+            self._bind_warned = self._shortage_logged = False
+            # The rank that started the server loses every election from now on, to its own server: nothing to say.
+            self._lost_logged = outcome.claim is Claim.STARTED
 
     def shortage(self, reason: str) -> None:
         if not self._shortage_logged:

@@ -1,28 +1,21 @@
-"""A rank's claim on its scrape address: a small state machine, driven from one place.
+"""A rank's claim on its scrape address: a non-blocking election on the recording path, and nothing else.
 
-The address belongs to the job, not to a rank.  The rank that wins the election starts the address server
-(app.address.server) and hands it the lock and the bound listener, keeping no copy of either: the server
-alone holds the address from then on, and serves the directory until nothing in it is left to publish.  A
-rank's death or close() never moves the address.
+The address belongs to the job, not to a rank.  A rank runs the election (``flock(LOCK_EX|LOCK_NB)``) when its
+Exporter is created and then at most every RETRY_NS as it records, as the C++ plug-in's ranks do.  The rank that
+wins binds the port, starts the address server (app.launch) handing it the lock and the listener, and
+closes its own copies: from then on the server, and its spare after it, hold the address; the rank goes on
+recording and never waits for the start.  The server says on a pipe whether it serves, which the rank reads,
+without waiting, at its next claims; a start that fails is said once with its cause and retried with a growing
+back-off.  A rank's death or close() never moves the address.  If the server and its spare are both gone (or
+a C++ owner died), the next rank to record wins the election and starts another.
 
-A rank is always in one of three states, changed only under ``_lock`` by ``claim`` (the constructor's and the
-export path's LOCK_NB election) and ``take_over_from`` (a standby's win, on its thread):
+With ``NIXL_PROMETHEUS_MP_SERVE=thread`` (or where no address server can run) the rank that wins serves from a
+thread of its own, as the C++ plug-in does: it holds the lock and the listener until it closes or dies.
 
-* STANDBY: another process holds the address (an address server, a C++ owner, the gunicorn aggregator).  The
-  rank records, and waits for the lock in the kernel (app.rank.standby) for that holder's death.
-* SERVING, thread mode only (NIXL_PROMETHEUS_MP_SERVE=thread, or where no address server can run): the rank
-  holds the lock and serves from a thread of its own, as the C++ plug-in does; it dies with its rank.
-* CLOSED: close() ran.
-
-Winning, in the default mode, is a transition, not a state: bind, start the server (queued its descriptors
-before it even runs: app.rank.spawn), close our copies, stand by again for that server's death.  A start
-that fails is retried with a growing back-off.  The only thread this leaves besides the standby is the
-carrier of the server's log records (app.rank.carrier), while the starting rank and its server both live.
-
-The election decides who may bind; the bind can still fail when something outside the run holds the port.
-The address server of another directory that publishes only departed ranks is asked to give it up
-(SIGUSR1), and does at once; anything else makes the winner warn and concede the election: once the port
-frees, whichever rank wins next takes the address over.
+No thread, no signal handler, no timed wait of ours runs in a rank (thread mode's server aside).  Two things
+need a fork hook (app.rank.exporter registers the one hook): fork() waits while a claim holds what a child must
+never share (a won lock's description, the listener, for the moment of a hand-over: ``fork_lock``), and a
+child closes what thread mode holds.
 """
 
 from __future__ import annotations
@@ -35,40 +28,32 @@ import signal
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.channel import ServerArgs
 from app.health import WarningDoc, owner_doc, replaced_warning
-from app.probe import is_address_server, listening_pids
-from app.rank import standby
-from app.rank.carrier import Carrier
+from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch, unusable
+from app.probe import is_address_server, listening_pids, signal_address_server
 from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
-from app.rank.spawn import StartFailed, helper_unusable, launch
-from app.server import BoundedServer, bind_listener, close_listener, holding_off_fork, serve_in_thread
+from app.server import BoundedServer, bind_listener, serve_in_thread
 from app.web import MetricsApp
 from election import Outcome, OwnerElection
-from election.lock import SCARCE
-from election.standby import LockWaiter
-from election.standby import holding_off_fork as holding_off_waiter_fork
-from store.fds import close_quietly
+from election.lock import SCARCE, flock_entries
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
 _warner = OnceWarner(log)
 
 WATCH_NS = 1_000_000_000  # a serving thread-mode rank checks that its lock file is still the directory's every 1 s
-CLOSE_WAIT_S = 10.0  # close() waits this long for another thread's takeover (a bind and a process start) to finish
-# A standby that just won the lock may find the port still bound for a moment: the departed holder's
-# descriptors close one by one as it exits.  It retries the bind at this pace for this long before it
-# concludes that something outside the run holds the port; YIELD_WAIT_S once it asked another run's server.
-_BUSY_PORT_RETRY_S, _BUSY_PORT_WINDOW_S, YIELD_WAIT_S = 0.005, 0.5, 1.0
+ASK_AGAIN_NS = 5_000_000_000  # another run's server that kept the port is asked again after this long
 START_BACKOFF_MIN_S, START_BACKOFF_MAX_S = 0.05, 5.0  # between starts of a server that keeps failing to start
 
-_endpoints: weakref.WeakSet[ScrapeEndpoint] = weakref.WeakSet()
+# Held by a claim from its win until the lock and the listener are the server's alone (or the rank's own
+# thread serves them), and by fork() (app.rank.exporter's hook): a child never holds a copy of either.
+# Reentrant: a host's signal handler may fork from the very thread that holds it.
+fork_lock = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -81,12 +66,17 @@ class ServerSpec:
     agent_name: str | None
 
 
-class ScrapeEndpoint:
-    """This process's claim on one scrape address (see the module's doc for its states).
+class _PortHeldBySpare(Exception):
+    """Won the election the instant the server died, before its spare: the spare serves the port, and wins
+    the lock as soon as we give it back."""
 
-    ``_lock`` is reentrant because close() must work from a signal handler that interrupted this very
-    thread inside claim(): close() then marks the endpoint closed and undoes what is published, and the
-    interrupted claim, on resuming, undoes what it made since.
+
+class ScrapeEndpoint:
+    """This process's claim on one scrape address.
+
+    ``_lock`` (one claim at a time) is reentrant because close() may run in a signal handler that interrupted
+    this very thread inside claim(): close() then only marks the endpoint closed, and the claim undoes what
+    it made as it returns.
     """
 
     def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp, spec: ServerSpec | None,
@@ -97,21 +87,20 @@ class ScrapeEndpoint:
         self._has_store = has_store
         # None: thread mode (asked for, or no address server can run here: said once, when it matters).
         self.spec = spec
-        self._no_server = None if spec is None else helper_unusable()
+        self._no_server = None if spec is None else unusable()
         self._on_watch = on_watch
         self._lock = threading.RLock()
         self._closed = False
-        self._closing = threading.Event()  # wakes a start that waits out its back-off
         self._log = ClaimLog(election, port)
-        self._carrier: Carrier | None = None  # the server this rank started, while both live
-        self._server_lock: int | None = None  # what our standby waits on: see take_server_lock
-        self._failures = 0  # starts in a row whose server died before it was ready
+        self._starting: Started | None = None  # the server this rank started, until it said whether it serves
+        self._server_pid: int | None = None  # ... once it said it serves
+        self._failures = 0  # starts in a row whose server ended before it was ready
         self._retry_at_ns = 0  # (CLOCK_MONOTONIC) no start before this
+        self._asked_at_ns: int | None = None  # when another run's server was last asked to yield the port
         self._server: BoundedServer | None = None  # thread mode: our server and listener
         self._listener: socket.socket | None = None
         self.serving_since: float | None = None
         self.replaced_at: float | None = None
-        _endpoints.add(self)
 
     @property
     def address(self) -> str:
@@ -119,37 +108,22 @@ class ScrapeEndpoint:
 
     @property
     def serving(self) -> bool:
-        """This process serves the address: from its thread, or through the server it started and has not seen
-        end (from the instant it handed the address over: connections wait in the backlog until it accepts)."""
-        carrier = self._carrier
-        return self._listener is not None or (carrier is not None and carrier.running)
-
-    @property
-    def lock_path(self) -> Path:
-        """(standby.Standing) The lock file this endpoint elects on."""
-        return self.election.path
-
-    @property
-    def closed(self) -> bool:
-        """(standby.Standing) close() ran: never offered the lock again."""
-        return self._closed
-
-    @property
-    def stands_by_after_takeover(self) -> bool:
-        """(standby.Standing) A rank that handed the address to a server waits for that server's death."""
-        return self._listener is None and not self._closed
-
-    def take_server_lock(self) -> int | None:
-        """(standby.Standing) A new description of the lock file just handed to our server, holding nothing: our
-        standby waits on it for that server's death, whatever file the path names by then (see hand_off)."""
-        fd, self._server_lock = self._server_lock, None
-        return fd
+        """This process serves the address: from its thread, or through the server it started, from the
+        instant it handed the address over (connections wait in the backlog) for as long as that server lives."""
+        if self._closed:
+            return False
+        if self._listener is not None:
+            return True
+        pid = self._server_pid
+        if pid is not None:
+            return is_address_server(pid, self.address)
+        return self._starting is not None and self._starting.status_fd >= 0
 
     def claim(self, now_ns: int | None = None) -> int:
         """Run the election (and take the address over if won); returns when to try again (ns).
 
         While serving from a thread, check that the lock file we hold is still the directory's (see watch()).
-        Never raises for the environment: a failure to serve is conceded and retried later.
+        Never waits, and never raises for the environment: a failure to serve is conceded and retried later.
         """
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if not self._lock.acquire(blocking=False):
@@ -157,102 +131,76 @@ class ScrapeEndpoint:
         try:
             if self._closed:
                 return NEVER
+            if self._starting is not None:
+                self._hear_from_server()
             if self._listener is not None:
                 self._check_lock_file()
                 return now_ns + WATCH_NS
             if now_ns < self._retry_at_ns:
                 return self._retry_at_ns  # a start failed: the export path never waits out its back-off
-            if self.election.try_win() is Outcome.LOST:
-                shortage = self.election.shortage
-                if shortage is not None:
-                    outcome = TakeOver(Claim.SHORT, reason=shortage)
+            with fork_lock:
+                if self.election.try_win() is Outcome.LOST:
+                    shortage = self.election.shortage
+                    outcome = TakeOver(Claim.SHORT, reason=shortage) if shortage else TakeOver(Claim.LOST)
                 else:
-                    standby.stand_by(self)  # the export path keeps re-electing too: for what no waiter covers
-                    outcome = TakeOver(Claim.LOST)
-            else:
-                outcome = self._take_over(busy_port_window_s=0.0, wait_backoff=False)
-                if outcome.claim is Claim.SERVING and self._listener is None:
-                    standby.stand_by(self)  # handed to a server: this rank waits for that server's death
+                    outcome = self._take_over(now_ns)
+            if self._closed:  # close() ran in a signal handler meanwhile: undo what is ours (a server stays)
+                self._stop()
+                outcome = TakeOver(Claim.CLOSED)
         finally:
             self._lock.release()
         self._log.report(outcome)
         return outcome.next_claim_ns(now_ns)
 
-    def take_over_from(self, waiter: LockWaiter) -> bool:
-        """(standby.Standing, on the waiter's thread) Take the address over with the lock the waiter just won;
-        False to turn it down (the waiter then releases it and pauses before it contends again)."""
-        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
-            return False  # this endpoint is busy claiming or closing: it re-elects itself if it needs to
-        try:
-            if self._closed or self._listener is not None or self.election.held:
-                return False
-            with holding_off_waiter_fork():  # the descriptor is recorded somewhere at any fork
-                fd = waiter.hand_over()
-                if fd is None:
-                    return False  # detached meanwhile: it holds nothing any more
-                self.election.adopt(fd)
-            outcome = self._take_over(busy_port_window_s=_BUSY_PORT_WINDOW_S, wait_backoff=True)
-        finally:
-            self._lock.release()
-        self._log.report(outcome)
-        return outcome.claim in (Claim.SERVING, Claim.CLOSED)
-
     # -- winning --------------------------------------------------------------------------------------------
 
-    def _take_over(self, busy_port_window_s: float, wait_backoff: bool) -> TakeOver:
-        """Elected (the election is held): start the server, or serve from a thread; nothing is held if not.
-
-        ``wait_backoff``: on a standby's thread, a start that failed a moment ago is followed by its back-off,
-        the lock held (nobody could start one sooner); elsewhere (the export path) the lock is given back.
-        """
-        if self.spec is not None and self._no_server is None:
-            if not self._has_store():  # nothing of ours to publish yet: the export path recreates it, then elects
-                self.election.release()
-                return TakeOver(Claim.LOST)
-            wait_s = (self._retry_at_ns - time.monotonic_ns()) / 1e9
-            if wait_s > 0 and (not wait_backoff or self._closing.wait(wait_s)):
-                self.election.release()
-                return TakeOver(Claim.CLOSED if self._closed else Claim.LOST)
+    def _take_over(self, now_ns: int) -> TakeOver:
+        """Elected (the election is held): start the server, or serve from a thread; nothing is held if not."""
+        helper = self.spec is not None and self._no_server is None
+        if helper and not self._has_store():  # nothing of ours to publish yet: the export path recreates it first
+            self.election.release()
+            return TakeOver(Claim.LOST)
         try:
-            listener = self._bind(busy_port_window_s)
+            listener = self._bind(now_ns)
+        except _PortHeldBySpare:
+            self.election.release()
+            return TakeOver(Claim.LOST)
         except (OSError, RuntimeError, MemoryError) as exc:
             self.election.release()  # give it back at once, so that any other rank can take it meanwhile
+            if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE and self._asked_at_ns == now_ns:
+                return TakeOver(Claim.ASKED)
             return _failure(exc)
-        if self.spec is not None and self._no_server is None:
+        if helper:
             return self._start_server(listener)
         return self._serve_from_thread(listener)
 
-    def _bind(self, busy_port_window_s: float) -> socket.socket:
-        deadline = time.monotonic() + busy_port_window_s
-        asked = False
-        while True:
-            try:
-                return bind_listener(self.host, self.port)
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                if not asked:
-                    asked = True
-                    if self._ask_to_yield():
-                        deadline = max(deadline, time.monotonic() + YIELD_WAIT_S)
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(_BUSY_PORT_RETRY_S)
+    def _bind(self, now_ns: int) -> socket.socket:
+        try:
+            return bind_listener(self.host, self.port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            if self._spare_waits():
+                raise _PortHeldBySpare() from None
+            holders = [pid for pid in listening_pids(self.port) if pid != os.getpid()]
+            if self._asked_at_ns is None or now_ns - self._asked_at_ns >= ASK_AGAIN_NS:
+                # The address server of another run (or of this directory before it was replaced): it gives the
+                # port up at once unless it has live ranks, and the next claim binds.  Found through /proc, not
+                # its /healthz, which would look at the election and see ours, held for this moment only.
+                if any([signal_address_server(pid, self.address, signal.SIGUSR1) for pid in holders]):
+                    self._asked_at_ns = now_ns
+            raise
 
-    def _ask_to_yield(self) -> bool:
-        """The port is held: if by an address server (of another run, or of this directory before it was
-        replaced), ask it to give the port up; it does at once unless it has live ranks.  Whether we asked.
-
-        Found through /proc, not by asking its /healthz: an owner answering /healthz looks at the election
-        (duplicate owners, a replaced lock file), and would see ours, held for this moment only.
-        """
-        asked = False
-        for pid in listening_pids(self.port):
-            if pid != os.getpid() and is_address_server(pid):
-                with contextlib.suppress(OSError):  # gone, or another user's: the bind's failure is warned as usual
-                    os.kill(pid, signal.SIGUSR1)
-                    asked = True
-        return asked
+    def _spare_waits(self) -> bool:
+        """Whether a process waits in flock(LOCK_EX) for the lock we just won: our server's spare, which
+        holds the port, and which we beat to the lock the instant the server died (ranks never wait)."""
+        fd = self.election.descriptor
+        if fd is None:
+            return False
+        try:
+            return any(blocked for blocked, _ in flock_entries(os.fstat(fd)))
+        except OSError:
+            return False
 
     def _start_server(self, listener: socket.socket) -> TakeOver:
         assert self.spec is not None
@@ -263,42 +211,39 @@ class ScrapeEndpoint:
                           replaced_at=self.replaced_at, log_level=logging.getLogger("nixl_prometheus_mp")
                           .getEffectiveLevel())
         try:
-            with holding_off_fork():  # a fork meanwhile finds the channel recorded (and closes its copy), or none
-                launched = launch(self.election.descriptor, listener, args)
-                carrier = Carrier(launched, self.address, self._server_ended)
+            started = launch("server", args, listener.fileno(), self.election.descriptor)
         except StartFailed as failure:
-            close_listener(listener)
             self.election.release()
-            self._back_off()  # (said in one line, the shortage's)
+            self._back_off()
             return TakeOver(Claim.SHORT, reason=f"the address server cannot be started: {failure.words}")
-        # The server holds them now (queued on its channel): our copies go, the lock and the port stay.
-        close_listener(listener)
-        # Reopened and recorded before any fork can copy it: a child's copy would share the lock once our standby
-        # wins it on that description, and keep it held after our server's death (see app.rank.standby).
-        with holding_off_waiter_fork():
-            self._drop_server_lock()
-            self._server_lock = self.election.hand_off()
+        finally:
+            listener.close()  # the server holds it now, or nobody
+        self.election.forget()  # the lock stays: the server holds the same open file description
+        self._starting, self._server_pid = started, None
         self.serving_since = since
-        self._carrier = carrier
-        try:
-            carrier.start()
-        except RuntimeError:  # out of threads: the server serves all the same, its records go to its file
-            self._carrier = None
-            carrier.close()
-        if self._closed:  # close() ran in a signal handler meanwhile: the server is the job's, it stays
-            self._stop()
-            return TakeOver(Claim.CLOSED)
-        return TakeOver(Claim.SERVING)
+        return TakeOver(Claim.STARTED)
 
-    def _server_ended(self, ready: bool, how: str) -> None:
-        """(The carrier's thread) The server this rank started is gone; a standby (maybe ours) starts another."""
-        if ready:
-            self._failures, self._retry_at_ns = 0, 0
-            log.warning("the address server of %s %s; a standby rank takes the address over", self.address, how)
-            return
-        self._back_off()
-        _warner.warn(("start", self.address), "the address server of %s %s before it was ready; the next start "
-                     "waits a growing pause (at most %.0f s)", self.address, how, START_BACKOFF_MAX_S)
+    def _hear_from_server(self) -> None:
+        """What the server this rank started said (never waiting): that it serves, or why it failed."""
+        started = self._starting
+        assert started is not None
+        if started.status_fd >= 0:
+            lines, ended = started.read_status()
+            said = None
+            for line in lines:
+                if line.startswith(READY):
+                    self._server_pid, self._failures = int(line[1:]), 0
+                elif line.startswith(WARNING):
+                    log.warning("%s", line[1:])
+                elif line.startswith(ERROR):
+                    said = line[1:]
+            if ended and self._server_pid is None and not started.lost:
+                self._back_off()
+                _warner.warn(("start", self.address, said), "the address server of %s could not start (%s); the "
+                             "next start waits a growing pause (at most %.0f s)", self.address,
+                             said or "it was killed, or exited before it was ready", START_BACKOFF_MAX_S)
+        if started.status_fd < 0 and started.reap():
+            self._starting = None
 
     def _back_off(self) -> None:
         """A start failed: the next one of this rank waits a pause that doubles with each failure in a row."""
@@ -310,15 +255,11 @@ class ScrapeEndpoint:
         try:
             self._server, _ = serve_in_thread(listener, self.app, f"nixl-metrics-{self.port}")
         except (OSError, RuntimeError, MemoryError) as exc:
-            close_listener(listener)
+            listener.close()
             self.election.release()
             return _failure(exc)
         self._listener = listener
         self.serving_since = time.time()
-        standby.stand_down(self)
-        if self._closed:  # close() ran in a signal handler while we were taking over: undo it all
-            self._stop()
-            return TakeOver(Claim.CLOSED)
         return TakeOver(Claim.SERVING, no_helper=self._no_server)
 
     # -- serving from a thread --------------------------------------------------------------------------------
@@ -368,51 +309,53 @@ class ScrapeEndpoint:
     # -- closing ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stand down; stop carrying the server's records (the server is the job's: it serves on); in thread
+        """Stop listening to the server this rank started (the server is the job's: it serves on); in thread
         mode, stop serving and free the port, THEN release the election.
 
-        The other order would let a sibling win the election and fail to bind the port we still hold, then
-        back off for seconds.  Safe from a signal handler and from atexit at any moment (see the class doc).
+        The other order would let a sibling win the election and fail to bind the port we still hold.  From a
+        signal handler that interrupted this thread's claim, only marks the endpoint closed: the claim undoes
+        what it made as it returns.  Otherwise waits for another thread's claim (which never waits) to end.
         """
         self._closed = True  # first: an interrupted claim sees it when it resumes
-        self._closing.set()
-        standby.stand_down(self)
-        if not self._lock.acquire(timeout=CLOSE_WAIT_S):
-            log.warning("closing %s: another thread is stuck taking the address over; it gives it back when "
-                        "it returns", self.address)
+        if self._lock._is_owned():  # type: ignore[attr-defined]
             return
-        try:
+        with self._lock:
             self._stop()
-        finally:
-            self._lock.release()
 
     def _stop(self) -> None:
-        carrier, self._carrier = self._carrier, None
+        started, self._starting = self._starting, None
         server, self._server = self._server, None
         listener, self._listener = self._listener, None
-        self.serving_since = self.replaced_at = None
-        self._drop_server_lock()
-        if carrier is not None:
-            carrier.close()
+        self.serving_since = self.replaced_at = self._server_pid = None
+        if started is not None:
+            started.close()
+            if started.launcher is not None:
+                started.launcher.wait()  # it forks and exits as it starts: never a child of ours left behind
         if server is not None:
             server.stop()
         if listener is not None:
-            close_listener(listener)  # the port first: a standby that wins the lock must find it free
-        self.election.release()  # (a writer's too: the descriptor its lost elections probe with)
+            listener.close()  # the port first: a rank that wins the lock next must find it free
+        self.election.release()
 
-    def _after_fork_in_child(self) -> None:
-        """A forked child never serves the parent's socket nor holds its election (nor stands by: app.standby).
-
-        (The listeners were closed by app.server's fork hook, the carrier's descriptors by its own.)
-        """
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's server, listener, launcher and lock are the parent's.  Drop our
+        copies without a word to any of them (no shutdown, no unlock, no wait)."""
         self._lock = threading.RLock()
-        self._carrier = self._server = self._listener = None
+        started, self._starting = self._starting, None
+        if started is not None:
+            if started.launcher is not None:
+                started.launcher.returncode = 0  # not this process's child: Popen must never wait for it here
+            started.close()
+        for sock in (self._listener, None if self._server is None else self._server.socket):
+            if sock is not None:
+                # detach() marks the object closed without closing, so its finalizer never closes a number the
+                # child reuses; os.close drops the child's copy only (the parent keeps listening).
+                with contextlib.suppress(OSError):
+                    os.close(sock.detach())
+        self._server = self._listener = None
+        self._server_pid = None
         self.serving_since = self.replaced_at = None
-        self._drop_server_lock()  # (the child's copy: it holds nothing, and the parent's stays)
-        self.election.forget_after_fork()
-
-    def _drop_server_lock(self) -> None:
-        close_quietly(self.take_server_lock())
+        self.election.forget()
 
 
 def _failure(exc: BaseException) -> TakeOver:
@@ -422,12 +365,3 @@ def _failure(exc: BaseException) -> TakeOver:
     if isinstance(exc, OSError) and exc.errno is not None:
         return TakeOver(Claim.UNBOUND, bind_error=exc)
     return TakeOver(Claim.SHORT, reason=f"{type(exc).__name__}: {exc}")
-
-
-def _after_fork_in_child() -> None:
-    # (app.server's own hook, registered first, has closed the child's copies of the listeners.)
-    for endpoint in list(_endpoints):
-        endpoint._after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

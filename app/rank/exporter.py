@@ -1,9 +1,9 @@
 """Exporter: the per-agent telemetry sink every rank creates.
 
 Construction reads the environment, creates the agent's store and runs the
-owner election; the winner serves every rank's telemetry in-process.  Losers
-are quiet writers that re-run the election as they export, so the owner's
-death costs a gap, not the rest of the run.
+owner election; the winner starts the address server that serves every rank's
+telemetry (app.rank.endpoint).  Every rank re-runs the election as it records,
+as the C++ plug-in's ranks do.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from app.config import (
     unwritable_directory,
 )
 from app.health import OwnerWatch, WarningDoc, health_warnings
+from app.logsink import reset_after_fork
+from app.rank import endpoint as endpoint_module
 from app.rank.claims import BACKOFF_NS, NEVER
-from app.rank.endpoint import CLOSE_WAIT_S, ScrapeEndpoint, ServerSpec
+from app.rank.endpoint import ScrapeEndpoint, ServerSpec
 from app.rank.recording import Recording
 from app.web import MetricsApp
 from election import OwnerElection
@@ -220,7 +222,7 @@ class Exporter(Recording):
         if self._finalizer() is None:  # closed, or being closed, already
             state = self._finalizer_state
             if state.closer != threading.get_ident():
-                state.done.wait(CLOSE_WAIT_S)  # a second closer waits (bounded) for the first
+                state.done.wait()  # a second closer waits for the first (whose close never waits for long)
         _exporters.discard(self)
 
     def __enter__(self) -> Exporter:
@@ -235,8 +237,9 @@ class Exporter(Recording):
         return f"<Exporter {self.agent_name!r} {role} {self.address} store={self.store_path.name}>"
 
     def _after_fork_in_child(self) -> None:
-        # The endpoint and writer have their own fork hooks; a child starts as
-        # a writer that may join the election on its next export.
+        # The writer has its own fork hook (store/); a child starts as a writer that may join the election on its
+        # next export.
+        self._endpoint.forget_after_fork()
         if not self._closed:
             self._next_claim_ns = self._claim_due_ns = 0
         else:
@@ -249,12 +252,24 @@ class Exporter(Recording):
 _exporters: weakref.WeakSet[Exporter] = weakref.WeakSet()
 
 
+def _before_fork() -> None:
+    endpoint_module.fork_lock.acquire()  # (no claim is between its win and its hand-over meanwhile)
+
+
+def _after_fork_in_parent() -> None:
+    endpoint_module.fork_lock.release()
+
+
 def _after_fork_in_child() -> None:
+    # The parent's other threads do not exist here: nobody else holds what the child drops.
+    endpoint_module.fork_lock = threading.RLock()
+    reset_after_fork()
     for exporter in list(_exporters):
         exporter._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# The one fork hook of the rank's side (the store's is store.writer's).
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class NullExporter(Recording):

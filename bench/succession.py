@@ -1,11 +1,15 @@
-"""Who serves the address: the job's address server, through rank deaths, its own death and the job's end.
+"""Who serves the address: the job's address server and its spare, through rank deaths, the server's own death
+and stop, and the job's end.
 
 * rank death: four ranks recording 50 events/s, killed one by one (the one that started the server first),
   /metrics polled every 5 ms from another process: requests that failed, of all sent.
-* server death: SIGKILL the address server of a job of idle (or recording) ranks, five times in a row; seconds
-  until /metrics answers again, from a new server.  Also from a C++ owner (NIXL's plug-in), and in thread mode
-  (the serving rank killed: its standby takes over).
-* waiting: the CPU an idle standby uses while the server lives.
+* server death: SIGKILL the address server of a job of idle (or recording) ranks, or of a Python rank and C++
+  ranks (NIXL's plug-in) writing beside it, five times in a row, /metrics polled every 5 ms on fresh
+  connections: requests that failed once the server was dead, milliseconds until its spare answered /healthz
+  as the server, and until the spare had a spare of its own.  A stopped server (SIGSTOP): seconds until its
+  spare serves, failed requests meanwhile.  A C++ owner killed: until a recording Python rank serves.  Thread
+  mode: the serving rank killed, until a recording rank serves.
+* waiting: the CPU a rank that lost, and a spare, use while the server lives.
 * job end: three ranks recording, ended five ways (closed at once, 50 and 150 ms apart with the starting rank
   first, 50 ms apart with it last, SIGKILLed at once), scraped by an HA pair (two scrapers 1 s apart) and an
   operator's curl right after the end: trials in which a scraper never saw some rank's final value.
@@ -27,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import SERVE_MODES
+from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, listening_pids, signal_address_server
 from bench.common import Worker, free_port, http_get, log
 from bench.scenarios import (
     _UNANSWERED,
@@ -44,6 +48,7 @@ from bench.scenarios import (
 from store import EventType, Snapshot, StoreIdentity, StoreWriter, read_snapshot
 
 SUCCESSIVE_KILLS = 5
+SPARE_ANSWERS_TARGET_S, NEW_SPARE_TARGET_S, STOPPED_TARGET_S = 0.5, 1.0, 4.0
 JOB_RANKS = 3
 END_TTL_S = 5.0  # the job-end trials' TTL: each scraper has this long to see the final values
 TARGET_S, GOAL_S = 0.5, 0.05
@@ -51,32 +56,45 @@ WAIT_CPU_TARGET_S = 0.05  # per 5 s
 IDLE_CPU_TARGET_S = 0.05  # per second
 FREE_AFTER_TTL_TARGET_S = 1.0
 NEW_RUN_TARGET_S = 1.0
-KINDS = {"idle": 0.0, "recording": 10.0}
+KINDS = {"idle": 0.0, "recording": 10.0, "C++ writing": 0.0}
 ENDINGS = {"closed at once": (0.0, True, "close"), "50 ms apart, starting rank first": (0.05, True, "close"),
            "150 ms apart, starting rank first": (0.15, True, "close"),
            "50 ms apart, starting rank last": (0.05, False, "close"), "SIGKILLed at once": (0.0, True, "kill")}
 
 
-def standby(settings: Settings, results: Results) -> None:
-    out: dict[str, Any] = results.standby
+def succession(settings: Settings, results: Results) -> None:
+    out: dict[str, Any] = results.succession
     trials = 2 if settings.quick else 20
+    cpp = importlib.util.find_spec("nixl_cu12") is not None
     for rep in range(max(1, settings.takeover_repeats // 3)):
         with _tempdir(settings, "rank-death") as directory:
             failed, sent = _rank_death(directory)
         out.setdefault("rank_death", []).append([failed, sent])
         log(f"rank death: {failed} of {sent} requests failed")
-        for mode in SERVE_MODES if rep % 2 == 0 else SERVE_MODES[::-1]:
-            for kind, rate in KINDS.items():
-                with _tempdir(settings, f"server-death-{mode}") as directory:
-                    figures = _successive_kills(directory, mode, rate, measure_cpu=rep == 0 and kind == "idle")
-                out.setdefault("takeover", {}).setdefault(mode, {}).setdefault(kind, []).extend(figures["takeover"])
-                if "cpu" in figures:
-                    out.setdefault("cpu", {})[mode] = figures["cpu"]
-                log(f"server death {mode} {kind}: " + ", ".join(f"{s * 1e3:.0f} ms" for s in figures["takeover"]))
-        if importlib.util.find_spec("nixl_cu12") is not None:
-            with _tempdir(settings, "standby-cpp") as directory:
+        for kind, rate in KINDS.items():
+            if kind == "C++ writing" and not cpp:
+                continue
+            with _tempdir(settings, "server-death") as directory:
+                figures = _server_deaths(directory, kind, rate, measure_cpu=rep == 0 and kind == "idle")
+            for key in ("failed", "sent", "spare_s", "new_spare_s"):
+                out.setdefault("server_death", {}).setdefault(kind, {}).setdefault(key, []).extend(figures[key])
+            if "cpu" in figures:
+                out["cpu"] = figures["cpu"]
+            log(f"server death, ranks {kind}: {sum(figures['failed'])} of {sum(figures['sent'])} failed; spare "
+                "answered " + ", ".join(f"{s * 1e3:.0f}" for s in figures["spare_s"]) + " ms")
+        with _tempdir(settings, "stopped") as directory:
+            stopped = _stopped_server(directory)
+        out.setdefault("stopped", []).append(stopped)
+        log(f"stopped server replaced in {stopped['replaced_s']:.2f} s, {stopped['failed']} of {stopped['sent']} "
+            "failed")
+        with _tempdir(settings, "thread-death") as directory:
+            waited = _thread_owner_death(directory)
+        out.setdefault("thread", []).append(waited)
+        log(f"thread mode, serving rank killed: served again in {waited * 1e3:.0f} ms")
+        if cpp:
+            with _tempdir(settings, "cpp-owner") as directory:
                 waited = _from_cpp_owner(directory)
-            out.setdefault("takeover", {}).setdefault("helper", {}).setdefault("idle, C++ owner", []).append(waited)
+            out.setdefault("cpp_owner", []).append(waited)
             log(f"C++ owner killed: {waited * 1e3:.0f} ms")
     for trial in range(trials):
         for ending in ENDINGS if trial % 2 == 0 else list(ENDINGS)[::-1]:
@@ -137,49 +155,158 @@ def _rank_death(directory: Path) -> tuple[int, int]:
         _stop_all(workers)
 
 
-def _successive_kills(directory: Path, mode: str, rate: float, measure_cpu: bool) -> dict[str, Any]:
-    """Helper mode: SIGKILL the address server; thread mode: the serving rank.  Seconds until served again."""
-    env = _ours_env(directory, free_port(), mode)
+def _roles(port: int) -> tuple[list[int], list[int]]:
+    """(address servers, spares) listening on 127.0.0.1:``port``, from /proc."""
+    address = f"127.0.0.1:{port}"
+    holders = listening_pids(port)
+    return ([p for p in holders if is_address_server(p, address)],
+            [p for p in holders if is_address_server(p, address, (SPARE_COMM,))])
+
+
+def _one_of_each(port: int, not_server: int = 0) -> tuple[float, tuple[int, int]] | None:
+    def found() -> tuple[int, int] | None:
+        servers, spares = _roles(port)
+        return (servers[0], spares[0]) if len(servers) == 1 == len(spares) and servers[0] != not_server else None
+    return _poll_until(found, 30, 0.002)
+
+
+class _Poller:
+    """GET /metrics every 5 ms on a fresh connection; counts the requests sent and failed after ``since``."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.since = port, float("inf")
+        self.sent = self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent_at = time.monotonic()
+            ok = _get(self.port)[0] == 200
+            if sent_at >= self.since:
+                self.sent += 1
+                self.failed += not ok
+            self._stop.wait(0.005)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _server_deaths(directory: Path, kind: str, rate: float, measure_cpu: bool) -> dict[str, Any]:
+    """SIGKILL the address server SUCCESSIVE_KILLS times; what each death cost."""
+    env = _ours_env(directory, free_port(), "helper")
     port = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])
-    workers = [Worker("rank", env, str(rate)) for _ in range(SUCCESSIVE_KILLS + 1)]
-    by_pid = {w.pid: w for w in workers}
-    figures: dict[str, Any] = {"takeover": []}
+    workers = [Worker("rank", env, str(rate)) for _ in range(1 if kind == "C++ writing" else SUCCESSIVE_KILLS + 1)]
+    figures: dict[str, Any] = {"failed": [], "sent": [], "spare_s": [], "new_spare_s": []}
+    poller = None
     try:
-        if _wait_serving(port, 10) is None:
-            raise RuntimeError("the job never served")
+        first = _one_of_each(port)
+        if first is None:
+            raise RuntimeError("the job never had a server and a spare")
+        if kind == "C++ writing":  # NIXL's plug-in's ranks, writing beside the Python rank's server
+            workers += [Worker("plugin-owner", _plugin_env(directory, port)) for _ in range(2)]
+        server, spare = first[1]
         if measure_cpu:
-            idle = next(w for w in workers if w.pid != _owner(port)["started_by"])
-            before = _cpu_s(idle.pid)
+            idle = workers[-1]
+            before = _cpu_s(idle.pid), _cpu_s(spare)
             time.sleep(5.0)
-            figures["cpu"] = _cpu_s(idle.pid) - before
+            figures["cpu"] = {"rank": _cpu_s(idle.pid) - before[0], "spare": _cpu_s(spare) - before[1]}
         for _ in range(SUCCESSIVE_KILLS):
+            poller = _Poller(port)
             time.sleep(0.3)
-            server = _server_of(port)
+            killed = time.monotonic()
             os.kill(server, signal.SIGKILL)
-            if mode == "thread":  # the serving rank itself
-                by_pid.pop(server).proc.wait()
-            waited = _wait_serving(port, 10, gone=server)
-            figures["takeover"].append(float("inf") if waited is None else waited)
+            poller.since = killed
+            answered = _poll_until(lambda s=spare: _owner(port)["server_pid"] == s or None, 30, 0.002)
+            replaced = _one_of_each(port, not_server=server)
+            time.sleep(0.3)
+            poller.close()
+            figures["failed"].append(poller.failed)
+            figures["sent"].append(poller.sent)
+            figures["spare_s"].append(float("inf") if answered is None else answered[0] - killed)
+            figures["new_spare_s"].append(float("inf") if replaced is None else replaced[0] - killed)
+            if replaced is None:
+                break
+            server, spare = replaced[1]
     finally:
+        if poller is not None:
+            poller.close()
         _stop_all(workers)
+        _stop_ours(port)
     return figures
 
 
+def _stopped_server(directory: Path) -> dict[str, Any]:
+    """SIGSTOP the address server: seconds until its spare serves, requests failed meanwhile."""
+    env = _ours_env(directory, free_port(), "helper")
+    port = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])
+    workers = [Worker("rank", env, "0") for _ in range(2)]
+    poller = None
+    try:
+        first = _one_of_each(port)
+        if first is None:
+            raise RuntimeError("the job never had a server and a spare")
+        server, spare = first[1]
+        poller = _Poller(port)
+        time.sleep(0.3)
+        stopped = time.monotonic()
+        os.kill(server, signal.SIGSTOP)
+        poller.since = stopped
+        done = _poll_until(lambda: _owner(port)["server_pid"] == spare or None, 30, 0.005)
+        os.kill(server, signal.SIGCONT)
+        time.sleep(0.3)
+        poller.close()
+        return {"replaced_s": float("inf") if done is None else done[0] - stopped, "failed": poller.failed,
+                "sent": poller.sent}
+    finally:
+        if poller is not None:
+            poller.close()
+        _stop_all(workers)
+        _stop_ours(port)
+
+
+def _thread_owner_death(directory: Path) -> float:
+    """Thread mode: SIGKILL the serving rank; seconds until a rank recording 10/s serves again."""
+    env = _ours_env(directory, free_port(), "thread")
+    port = int(env["NIXL_TELEMETRY_PROMETHEUS_PORT"])
+    workers = [Worker("rank", env, "10") for _ in range(3)]
+    try:
+        if _wait_serving(port, 10) is None:
+            raise RuntimeError("the job never served")
+        owner = int(_owner(port)["server_pid"])
+        os.kill(owner, signal.SIGKILL)
+        waited = _wait_serving(port, 10, gone=owner)
+        return float("inf") if waited is None else waited
+    finally:
+        _stop_all(workers)
+
+
+def _stop_ours(port: int) -> None:
+    """Stop the address server and spare a scenario left (spares first: each would replace its server)."""
+    address = f"127.0.0.1:{port}"
+    for comm in (SPARE_COMM, SERVER_COMM):
+        for pid in listening_pids(port):
+            signal_address_server(pid, address, signal.SIGKILL, (comm,))
+
+
 def _from_cpp_owner(directory: Path) -> float:
-    """A C++ rank (NIXL's plug-in) owns the address, two idle Python ranks stand by; SIGKILL the C++ rank."""
+    """A C++ rank (NIXL's plug-in) owns the address, two Python ranks record 10/s; SIGKILL the C++ rank."""
     port = free_port()
     cpp = Worker("plugin-owner", _plugin_env(directory, port))
     workers = [cpp]
     try:
         if _wait_serving(port, 10) is None:
             raise RuntimeError("the C++ rank never served")
-        workers += [Worker("rank", _ours_env(directory, port, "helper"), "0") for _ in range(2)]
+        workers += [Worker("rank", _ours_env(directory, port, "helper"), "10") for _ in range(2)]
         os.kill(cpp.pid, signal.SIGKILL)
         cpp.proc.wait()
         waited = _wait_serving(port, 10)
         return float("inf") if waited is None else waited
     finally:
         _stop_all(workers)
+        _stop_ours(port)
 
 
 class _Scraper:
@@ -324,19 +451,24 @@ def _ms(values: list[float]) -> str:
 
 
 def section(results: Results) -> list[str]:
-    out = results.standby
+    out = results.succession
     if not out:
         return []
-    lines = ["**Who serves the address** (helper: SIGKILL of the address server; thread: of the serving rank; five "
-             f"in a row per job of {SUCCESSIVE_KILLS + 1} ranks; until /metrics answers from another process)", "",
-             "| ranks | helper | thread |", "| --- | --- | --- |"]
-    for kind in (*KINDS, "idle, C++ owner"):
-        cells = [_ms(out.get("takeover", {}).get(mode, {}).get(kind, [])) for mode in SERVE_MODES]
-        lines.append(f"| {kind} | {' | '.join(cells)} |")
+    lines = [f"**Server death** (SIGKILL of the address server, {SUCCESSIVE_KILLS} in a row per job, /metrics polled "
+             "every 5 ms on fresh connections)", "",
+             "| ranks | failed requests | spare answered (median, max) | new spare (median, max) |",
+             "| --- | --- | --- | --- |"]
+    for kind, figures in out.get("server_death", {}).items():
+        lines.append(f"| {kind} | {sum(figures['failed'])} of {sum(figures['sent'])} | {_ms(figures['spare_s'])} | "
+                     f"{_ms(figures['new_spare_s'])} |")
     cpu = out.get("cpu", {})
     deaths = out.get("rank_death", [])
-    lines += ["", "An idle standby's CPU over 5 s: "
-              + ", ".join(f"{m} {cpu[m]:.3f} s" for m in SERVE_MODES if m in cpu),
+    lines += ["", "Stopped server (SIGSTOP): replaced in " + ", ".join(
+                  f"{s['replaced_s']:.2f} s ({s['failed']} of {s['sent']} failed)" for s in out.get("stopped", [])),
+              "", f"Thread mode, the serving rank killed (ranks recording 10/s): {_ms(out.get('thread', []))}; a C++ "
+              f"owner killed (Python ranks recording 10/s): {_ms(out.get('cpp_owner', []))}",
+              "", "CPU over 5 s, while the server lives: "
+              + ", ".join(f"{who} {used:.3f} s" for who, used in cpu.items()),
               "", "Rank death (four ranks killed one by one, polled every 5 ms): " + ", ".join(
                   f"{failed} of {sent} failed" for failed, sent in deaths),
               "", "Job end, trials in which a scraper of the HA pair missed a final value: " + ", ".join(
@@ -353,7 +485,7 @@ def section(results: Results) -> list[str]:
 
 
 def targets(results: Results) -> list[list[str]]:
-    out = results.standby
+    out = results.succession
     if not out:
         return []
     rows = []
@@ -362,18 +494,30 @@ def targets(results: Results) -> list[list[str]]:
         failed = sum(f for f, _ in deaths)
         rows.append(["rank death, the starting rank's included: no failed request (polled every 5 ms)",
                      f"{failed} of {sum(s for _, s in deaths)}", _met(failed == 0)])
-    takeover = out.get("takeover", {})
-    for mode in SERVE_MODES:
-        for kind, label in (("idle", "every rank idle"), ("recording", "standbys recording 10/s"),
-                            ("idle, C++ owner", "a C++ owner, idle Python standbys")):
-            values = takeover.get(mode, {}).get(kind, [])
-            if values:
-                median = statistics.median(values)
-                who = "the address server" if mode == "helper" and "C++" not in kind else "the owner"
-                rows.append([f"{who} SIGKILLed, {label} ({mode}): served again within {TARGET_S * 1e3:.0f} ms",
-                             f"{median * 1e3:.0f} ms median", _met(median <= TARGET_S)])
-    for mode, used in out.get("cpu", {}).items():
-        rows.append([f"an idle standby's CPU per 5 s ({mode}): under {WAIT_CPU_TARGET_S} s", f"{used:.3f} s",
+    for kind, figures in out.get("server_death", {}).items():
+        failed = sum(figures["failed"])
+        rows.append([f"server death, ranks {kind}: no failed request (polled every 5 ms)",
+                     f"{failed} of {sum(figures['sent'])}", _met(failed == 0)])
+        spare = statistics.median(figures["spare_s"])
+        rows.append([f"server death, ranks {kind}: the spare answers within {SPARE_ANSWERS_TARGET_S * 1e3:.0f} ms",
+                     f"{spare * 1e3:.0f} ms median", _met(spare <= SPARE_ANSWERS_TARGET_S)])
+        worst = max(figures["new_spare_s"])
+        rows.append([f"server death, ranks {kind}: a new spare within {NEW_SPARE_TARGET_S:.0f} s of each",
+                     f"{worst * 1e3:.0f} ms at most", _met(worst <= NEW_SPARE_TARGET_S)])
+    stopped = out.get("stopped", [])
+    if stopped:
+        worst = max(s["replaced_s"] for s in stopped)
+        rows.append([f"a stopped server replaced within {STOPPED_TARGET_S:.0f} s", f"{worst:.2f} s at most",
+                     _met(worst <= STOPPED_TARGET_S)])
+    for key, label in (("thread", "thread mode, the serving rank SIGKILLed, ranks recording 10/s"),
+                       ("cpp_owner", "a C++ owner SIGKILLed, Python ranks recording 10/s")):
+        values = out.get(key, [])
+        if values:
+            median = statistics.median(values)
+            rows.append([f"{label}: served again within {TARGET_S * 1e3:.0f} ms", f"{median * 1e3:.0f} ms median",
+                         _met(median <= TARGET_S)])
+    for who, used in out.get("cpu", {}).items():
+        rows.append([f"a waiting {who}'s CPU per 5 s: under {WAIT_CPU_TARGET_S} s", f"{used:.3f} s",
                      _met(used < WAIT_CPU_TARGET_S)])
     for ending, losses in out.get("end", {}).items():
         lost = sum(1 for v in losses if v)

@@ -44,10 +44,9 @@ from support import (  # noqa: F401  (pytest fixtures)
     start_exporter_rank,
     start_rank,
     wait_until,
-    watches,
 )
 
-from app.probe import is_address_server
+from app.probe import HELPER_MARK
 
 HELPER = {"NIXL_PROMETHEUS_MP_SERVE": "helper"}
 UNPRIVILEGED = 54321  # a uid (and gid) no other process of the machine uses
@@ -141,16 +140,16 @@ def children_of(pid: int) -> list[int]:
 
 
 def server_processes(port: int) -> list[int]:
-    """Live processes whose command line says they serve 127.0.0.1:``port`` (a launcher, a server)."""
+    """Live processes whose command line says they serve 127.0.0.1:``port`` (a launcher, a server, a spare)."""
     return sorted(int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                  if is_address_server(int(p)) and _address_of(int(p)) == f"127.0.0.1:{port}" and not gone(int(p)))
+                  if _command_tail(int(p)) == [HELPER_MARK, f"127.0.0.1:{port}"] and not gone(int(p)))
 
 
-def _address_of(pid: int) -> str | None:
+def _command_tail(pid: int) -> list[str]:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()
-    except (OSError, IndexError):
-        return None
+        return [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-3:-1]]
+    except OSError:
+        return []
 
 
 RANK = textwrap.dedent("""
@@ -205,9 +204,9 @@ def test_a_rank_that_execs_leaves_no_zombie(tmp_dir: Path, reaper: Reaper) -> No
     wait_until(lambda: children_of(pid) == [], message="the server's launcher reaped")  # (it exits at once)
     process.send("exec")
     assert process.readline(DEADLINE_S) == "execd"
-    # The channel closed with the exec (the server logs to its file now), and so did the store's lock: the server
-    # serves the departed store, and the exec'd program has no child of ours, zombie or not.
-    wait_until(lambda: owner(port)["log_file"], message="the server seeing its rank gone")
+    # The store's lock closed with the exec: the server serves the departed store, and the exec'd program has no
+    # child of ours, zombie or not.
+    wait_until(lambda: [r["pid"] for r in healthz(port)["stale"]] == [pid], message="the server seeing its rank gone")
     assert owner(port)["server_pid"] == server
     assert pid in pids_in(parse_exposition(scrape(port)))
     assert children_of(pid) == []
@@ -216,13 +215,12 @@ def test_a_rank_that_execs_leaves_no_zombie(tmp_dir: Path, reaper: Reaper) -> No
 def test_a_rank_killed_as_it_starts_its_server_has_handed_the_address_over(tmp_dir: Path, reaper: Reaper) -> None:
     port = free_port()
     process = start_rank(reaper, RANK, exporter_env(tmp_dir, port, **HELPER))
-    # SIGKILLed the moment its launcher exists: the lock and the listener were queued on the channel before.
+    # SIGKILLed the moment its launcher exists: the launcher holds the lock and the listener already.
     starting = wait_until(lambda: server_processes(port), START_DEADLINE_S, interval=0.001,
                           message="a server starting")
     process.kill()
     server = served_by_server_of(port, process.pid)
     assert process.pid in pids_in(parse_exposition(scrape(port)))  # the dead rank's store, departed
-    wait_until(lambda: owner(port)["log_file"], message="the server logging to its file")
     # (A launcher orphaned by the kill was adopted by this test's process, a subreaper: reaped here.)
     for pid in starting:
         if pid != server and parent_of(pid) == os.getpid():
@@ -275,20 +273,12 @@ def test_no_descriptor_of_ours_lands_on_0_1_or_2(tmp_dir: Path, reaper: Reaper, 
         assert sorted(int(fd) for fd in found) == left_open, found
         return left_open
 
-    def watched(server: int) -> None:
-        """Wait for the rank's pidfd of its server: opened once the server said it is ready, after it answers."""
-        wait_until(lambda: watches(server, pid), message=f"rank {pid} to watch its address server {server}")
-
     if serve_mode == "helper":
-        server = served_by_server_of(port, pid)
-        watched(server)
-        assert low_fds() == left_open
-        os.kill(server, signal.SIGKILL)  # a new start, by the rank's standby: a pidfd, a channel, Popen's pipes
-        watched(served_by_server_of(port, pid, not_in=(server,)))
+        served_by_server_of(port, pid)
     else:
         wait_until(lambda: owner(port)["serving"] == "thread", message="served")
     assert low_fds() == left_open
-    for n in range(20):  # warned about (and reaped) on the next scrape: the rank logs (the server's records too)
+    for n in range(20):  # warned about (and reaped) on the next scrape: the rank logs (thread mode)
         (tmp_dir / f"nixl.{n + 1}.9.0.mmap").write_bytes(b"not a store")
     for _ in range(2):  # whole answers: nothing of the host's in them
         assert pid in pids_in(parse_exposition(scrape(port)))
@@ -431,12 +421,15 @@ def test_the_endpoints_logs_go_through_the_hosts_logging(tmp_dir: Path, tmp_path
     _settled(port, pid, serve_mode)
     _plant_invalid_stores(tmp_dir, 3)
     scrape(port)
-    wait_until(lambda: host_log.read_text().count("not a valid store") >= 3 or host_log.read_text().count(
-        "nixl.1.9.0.mmap") >= 1, DEADLINE_S, message="the warnings in the host's own log")
-    logged = host_log.read_text()
-    assert "HOST WARNING nixl_prometheus_mp.collector:" in logged, logged
-    if serve_mode == "helper":  # the server's records, through the rank that started it
-        assert f"address server (pid {owner(port)['server_pid']})" in logged, logged
+    if serve_mode == "helper":  # the server's records go to its own file in the directory, never to the host
+        log_file = Path(owner(port)["log_file"])
+        wait_until(lambda: "nixl.1.9.0.mmap" in log_file.read_text(), DEADLINE_S, message="the server's log file")
+        assert "nixl.1.9.0.mmap" not in host_log.read_text()
+    else:
+        wait_until(lambda: host_log.read_text().count("not a valid store") >= 3 or host_log.read_text().count(
+            "nixl.1.9.0.mmap") >= 1, DEADLINE_S, message="the warnings in the host's own log")
+        logged = host_log.read_text()
+        assert "HOST WARNING nixl_prometheus_mp.collector:" in logged, logged
     assert "nixl.1.9.0.mmap" not in process.stderr_text()  # nothing of ours on the stderr the host routed away
 
 
@@ -560,9 +553,8 @@ def test_a_host_that_blocks_sigterm_leaves_its_server_a_clean_mask(tmp_dir: Path
     server = served_by_server_of(port, pid)
     status = dict(line.split(":", 1) for line in Path(f"/proc/{server}/status").read_text().splitlines())
     assert int(status["SigBlk"], 16) == 0 and int(status["SigIgn"], 16) & (1 << (signal.SIGTERM - 1)) == 0
-    os.kill(server, signal.SIGTERM)
-    wait_until(lambda: gone(server), message="the server gone on SIGTERM")
-    served_by_server_of(port, pid, not_in=(server,))  # the rank's standby started another
+    os.kill(server, signal.SIGTERM)  # (an operator's: the address is given up, the spare with it)
+    wait_until(lambda: gone(server) and server_processes(port) == [], message="the server and its spare gone")
 
 
 # -- 7. a fork racing server starts --------------------------------------------------------------------------
@@ -573,6 +565,12 @@ FORKING_RANK = textwrap.dedent("""
     exp = Exporter("forker")
     print(json.dumps({"pid": os.getpid()}), flush=True)
     stop = threading.Event()
+
+    def record():  # its claims start a server whenever the address is free
+        while not stop.wait(0.01):
+            exp.export_event(3, 1)
+
+    threading.Thread(target=record, daemon=True).start()
     leaks, forks = [], [0]
 
     HELD_DESCRIPTORS
@@ -623,20 +621,16 @@ def test_a_fork_racing_server_starts_never_inherits_their_descriptors(tmp_dir: P
         process.send("held")
         return dict(json.loads(process.readline()))
 
-    # Each killed server is replaced by the rank's standby: at least six starts, and as many more as it takes for
-    # hundreds of forks to race them (fewer per start on a loaded machine).
+    # Each server is killed with its spare, and the recording rank starts another: at least six starts, and as
+    # many more as it takes for hundreds of forks to race them (fewer per start on a loaded machine).
     for _ in range(100):
         server = served_by_server_of(port, pid, not_in=killed)
         if len(killed) >= 6 and status()["forks"] >= 200:
             break
-        os.kill(server, signal.SIGKILL)
+        for process_of_ours in server_processes(port):  # the spare, a launcher, the server
+            os.kill(process_of_ours, signal.SIGKILL)
         killed += (server,)
 
-    def holding() -> bool:  # the rank holds the channel and the server's pidfd (once it said it is ready): a child not
-        found = status()
-        return found["sockets"] >= 1 and found["pidfds"] >= 1
-
-    wait_until(holding, message="the rank holding what its children must not")
     process.send("stop")
     report = json.loads(process.readline(DEADLINE_S))
     if report["forks"] < 200 or report["leaks"]:  # (pytest.fail: an assertion's message would be cut short)
@@ -658,3 +652,87 @@ def test_ps_shows_no_more_of_the_server_than_its_address(tmp_dir: Path, reaper: 
         assert hidden not in shown, shown
     named = subprocess.run(["ps", "-o", "comm=", "-p", str(server)], capture_output=True, text=True).stdout
     assert named.strip() == "nixl-server", named
+
+
+# -- 9. a host that closes every descriptor, a huge sys.path -------------------------------------------------------
+
+CLOSERANGE_RANK = textwrap.dedent("""
+    import json, os, sys
+    from app import Exporter
+    exp = Exporter("daemonized")
+    exp.export_event(0, 5)
+    print(json.dumps({"pid": os.getpid(), "store": str(exp.store_path)}), flush=True)
+    sys.stdin.readline()
+    os.closerange(3, 1024)  # as daemonizing code does, behind the library's back (0-2 stay: the test's channel)
+    # The host's own descriptors now take the lowest free numbers, where ours were.
+    mine = [os.open(os.devnull, os.O_RDONLY) for _ in range(4)]
+    pipe_r, pipe_w = os.pipe()
+    os.set_blocking(pipe_r, False)
+    files = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in [*mine, pipe_r, pipe_w]}
+    reply.write(json.dumps({"files": files}) + "\\n")
+    reply.flush()
+    for line in sys.stdin:
+        for _ in range(int(line)):  # recording goes on; the exports' claims and checks run
+            exp.export_event(0, 1)
+        if line.strip() == "0":
+            exp.close()
+        try:
+            unread = os.read(pipe_r, 4096)  # nothing of ours ever lands in the host's pipe
+        except BlockingIOError:
+            unread = b""
+        still = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in files if os.path.exists(f"/proc/self/fd/{fd}")}
+        reply.write(json.dumps({"files": still, "unread": unread.decode(errors="replace"),
+                                "serving": exp.serving}) + "\\n")
+        reply.flush()
+""")
+
+
+def test_a_host_that_closes_our_descriptors_keeps_its_own_and_its_telemetry(tmp_dir: Path, reaper: Reaper) -> None:
+    port = free_port()
+    process = start_rank(reaper, CLOSERANGE_RANK, exporter_env(tmp_dir, port, **HELPER))
+    started = json.loads(process.readline(START_DEADLINE_S))
+    server = served_by_server_of(port, started["pid"])
+    process.send("go")
+    files = json.loads(process.readline())["files"]
+
+    def record(n: int) -> dict[str, Any]:
+        process.send(str(n))
+        return dict(json.loads(process.readline()))
+
+    # The store lost its lock with its descriptor: the next export's check recreates it (live again, values
+    # carried); the host's descriptors are left alone throughout, and nothing is written into them.
+    def live_again() -> bool:
+        answer = record(10)
+        assert answer["files"] == files and answer["unread"] == "", answer
+        return [r["pid"] for r in healthz(port)["live"]] == [started["pid"]]
+
+    wait_until(live_again, message="the rank's store live again")
+    answer = record(0)  # close(): releases what is ours, and nothing else
+    assert answer["files"] == files and answer["unread"] == "" and answer["serving"] is False, answer
+    values = {key[0]: v for key, v in parse_exposition(scrape(port)).items() if dict(key[1])["pid"] ==
+              str(started["pid"])}
+    assert values["agent_tx_bytes_total"] >= 5 + 10, values  # nothing recorded was lost
+    assert owner(port)["server_pid"] == server  # and the address never moved
+
+
+BIG_PATH_RANK = textwrap.dedent("""
+    import json, os, sys
+    sys.path.extend(f"/nonexistent/added-by-the-program/{'x' * 90}/{n}" for n in range(1000))  # ~100 KB more
+    from app import Exporter
+    exp = Exporter("big-path")
+    print(json.dumps({"pid": os.getpid(), "path": len(os.pathsep.join(sys.path))}), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_200_kb_sys_path_starts_a_server_all_the_same(tmp_dir: Path, reaper: Reaper) -> None:
+    port = free_port()
+    env = exporter_env(tmp_dir, port, **HELPER)
+    # A 100 KB PYTHONPATH (one environment string holds at most 128 KiB), as Bazel or Spack trees make.
+    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *(f"/nonexistent/spack/{'y' * 90}/{n}"
+                                                              for n in range(1000))])
+    process = start_rank(reaper, BIG_PATH_RANK, env)
+    started = json.loads(process.readline(START_DEADLINE_S))
+    assert started["path"] > 200_000, started
+    served_by_server_of(port, started["pid"])
+    assert started["pid"] in pids_in(parse_exposition(scrape(port)))
