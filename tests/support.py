@@ -582,3 +582,43 @@ HELD_DESCRIPTORS = textwrap.dedent("""
                 found["locks"] += 1
         return found
 """).lstrip()
+
+
+def kill_server_and_spare(port: int) -> tuple[int, ...]:
+    """SIGKILL the address server of 127.0.0.1:``port`` and its spare together (their pids), once the spare waits
+    (one still starting would take the lock up after them): the server stopped first, so that it cannot start
+    another spare between the two kills."""
+    from app.probe import SPARE_COMM, is_address_server, listening_pids
+
+    address = f"127.0.0.1:{port}"
+    wait_for_spare(port)
+    holders = listening_pids(port)
+    servers = [pid for pid in holders if is_address_server(pid, address)]
+    spares = [pid for pid in holders if is_address_server(pid, address, (SPARE_COMM,))]
+    assert servers, f"no address server of {address} to kill"
+    for pid in servers:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in (*spares, *servers):
+        os.kill(pid, signal.SIGKILL)
+    return (*servers, *spares)
+
+
+def wait_for_spare(port: int) -> int:
+    """Wait (bounded) until the address server of 127.0.0.1:``port`` has a spare waiting; its pid."""
+    from app.probe import SPARE_COMM, is_address_server, listening_pids
+
+    def spare() -> int | None:
+        return next((pid for pid in listening_pids(port)
+                     if is_address_server(pid, f"127.0.0.1:{port}", (SPARE_COMM,))), None)
+    return wait_until(spare, START_DEADLINE_S, message=f"a spare for 127.0.0.1:{port}")
+
+
+def server_log(pid: int) -> str:
+    """What address server ``pid`` wrote to its log file so far, read through its own descriptor (the file may
+    have been deleted with its directory); "" if it has none."""
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if os.path.basename(target).startswith("nixl-server.") and ".log" in target:
+                return Path(f"/proc/{pid}/fd/{fd}").read_text(errors="replace")
+    return ""

@@ -27,6 +27,7 @@ from support import (
     can_bind,
     free_port,
     healthz,
+    kill_server_and_spare,
     parse_exposition,
     proc_cpu_s,
     reaper_fixture,  # noqa: F401  (the "reaper" fixture)
@@ -294,8 +295,7 @@ def test_a_server_and_its_spare_both_killed_are_replaced_by_the_next_rank_that_r
     idle = _start(reaper, tmp_dir, port, rate=0)
     server, spare = _server_and_spare(port)
     recording = _start(reaper, tmp_dir, port, rate=50)
-    os.kill(spare, signal.SIGKILL)
-    os.kill(server, signal.SIGKILL)
+    assert sorted(kill_server_and_spare(port)) == sorted([server, spare])
     wait_until(lambda: _owner(port)["server_pid"] not in (None, server, spare), timeout=START_DEADLINE_S,
                message="a new server")
     assert _owner(port)["started_by"] == recording.pid  # (the idle rank records nothing: it claims nothing)

@@ -215,8 +215,7 @@ listener = socket.create_server(("127.0.0.1", 0))
 args = ServerArgs(address="127.0.0.1:1", directory=Path({str(tmp_path)!r}), has_lock=False, problem=None,
                   started_by=os.getppid(), agent_name="a", stale_ttl_s=30.0, serving_since=1.0, replaced_at=1.0,
                   log_level=30)
-ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-server = program._Server(args, theirs, listener, None)
+server = program._Server(args, listener, None, tell_starter=False)
 connection = http.client.HTTPConnection(*listener.getsockname(), timeout=10)
 connection.request("GET", "/healthz")
 doc = json.loads(connection.getresponse().read())
@@ -235,7 +234,7 @@ def test_server_args_read_back_what_they_write() -> None:
     args = ServerArgs(address="127.0.0.1:9090", directory=Path("/run/x"), has_lock=False, problem="no lock",
                       started_by=12, agent_name=None, stale_ttl_s=2.5, serving_since=1.5, replaced_at=None,
                       log_level=20)
-    assert ServerArgs.from_json(json.loads(json.dumps(args.to_json()))) == args  # as the channel carries it
+    assert ServerArgs.from_json(json.loads(json.dumps(args.to_json()))) == args  # as the bootstrap carries it
 
 
 # -- every loopback request goes straight to the address --------------------------------------------------------

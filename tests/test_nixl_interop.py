@@ -33,6 +33,7 @@ from support import (
     SeriesKey,
     free_port,
     healthz,
+    kill_server_and_spare,
     listening_socket,
     parse_exposition,
     reaper_fixture,  # noqa: F401  (pytest fixture)
@@ -55,7 +56,6 @@ from support_nixl import (
 )
 
 from app.config import ConfigError
-from app.probe import SPARE_COMM, is_address_server, listening_pids
 from app.rank.exporter import create_exporter
 from election import lock_file_name
 from store import DEFAULT_BUCKETS_US, EventType, read_snapshot
@@ -175,10 +175,7 @@ def end_python_owner(port: int, rank: ExporterRank, holder: int) -> None:
     rank.kill()
     if holder != rank.pid:
         assert healthz(port)["owner"]["server_pid"] == holder  # a rank's death moves nothing
-        for pid in listening_pids(port):
-            if is_address_server(pid, f"127.0.0.1:{port}", (SPARE_COMM,)):
-                os.kill(pid, signal.SIGKILL)
-        os.kill(holder, signal.SIGKILL)
+        assert holder in kill_server_and_spare(port)
 
 
 @SERVED_BOTH_WAYS

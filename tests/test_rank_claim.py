@@ -22,6 +22,7 @@ from support import (  # noqa: F401  (pytest fixtures)
     exporter_env,
     free_port,
     healthz,
+    kill_server_and_spare,
     make_exporter_fixture,
     parse_exposition,
     proc_cpu_s,
@@ -33,7 +34,6 @@ from support import (  # noqa: F401  (pytest fixtures)
 )
 from support_nixl import nixl_required_fixture, start_cpp_ranks, wait_for_owner  # noqa: F401  (pytest fixture)
 
-from app.probe import SPARE_COMM, is_address_server, listening_pids
 from store import EventType
 
 E = EventType
@@ -80,11 +80,7 @@ def _kill_holder(port: int, holder: int, ranks: dict[int, ExporterRank], serve_m
         ranks.pop(holder).kill()
         return
     assert holder not in ranks  # the address server, a process of its own
-    address = f"127.0.0.1:{port}"
-    for pid in listening_pids(port):
-        if is_address_server(pid, address, (SPARE_COMM,)):
-            os.kill(pid, signal.SIGKILL)
-    os.kill(holder, signal.SIGKILL)
+    assert holder in kill_server_and_spare(port)
 
 
 @pytest.mark.usefixtures("serve_mode")

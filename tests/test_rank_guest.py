@@ -669,8 +669,7 @@ CLOSERANGE_RANK = textwrap.dedent("""
     pipe_r, pipe_w = os.pipe()
     os.set_blocking(pipe_r, False)
     files = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in [*mine, pipe_r, pipe_w]}
-    reply.write(json.dumps({"files": files}) + "\\n")
-    reply.flush()
+    print(json.dumps({"files": files}), flush=True)
     for line in sys.stdin:
         for _ in range(int(line)):  # recording goes on; the exports' claims and checks run
             exp.export_event(0, 1)
@@ -681,9 +680,8 @@ CLOSERANGE_RANK = textwrap.dedent("""
         except BlockingIOError:
             unread = b""
         still = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in files if os.path.exists(f"/proc/self/fd/{fd}")}
-        reply.write(json.dumps({"files": still, "unread": unread.decode(errors="replace"),
-                                "serving": exp.serving}) + "\\n")
-        reply.flush()
+        print(json.dumps({"files": still, "unread": unread.decode(errors="replace"), "serving": exp.serving}),
+              flush=True)
 """)
 
 

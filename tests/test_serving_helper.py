@@ -44,11 +44,12 @@ from support import (  # noqa: F401  (pytest fixtures)
     start_exporter_rank,
     start_rank,
     try_scrape,
+    wait_for_spare,
     wait_until,
 )
 
 from app import ConfigError, Exporter
-from app.probe import listening_pids, port_holders
+from app.probe import port_holders
 
 HELPER = {"NIXL_PROMETHEUS_MP_SERVE": "helper"}
 
@@ -134,9 +135,9 @@ def test_the_winning_rank_hands_the_address_to_a_server_that_names_it(tmp_dir: P
     assert doc["mode"] == "in-process" and doc["election"] == "flock" and doc["serving_since"] is not None
     assert doc["log_file"] == str(tmp_dir / f"nixl-server.127.0.0.1:{port}.log")  # its records go to its file
     # The server (and its spare) alone hold the port and the lock: the rank kept no copy of either.
-    spare = wait_until(lambda: [p for p in listening_pids(port) if p != server], message="the spare")[0]
-    assert port_holders(port) in (f"pid {server} (nixl-server), pid {spare} (nixl-spare)",
-                                  f"pid {spare} (nixl-spare), pid {server} (nixl-server)")
+    holders = wait_until(lambda: sorted(port_holders(port).split(", ")) if "nixl-spare" in port_holders(port)
+                         else None, message="the spare waiting")
+    assert len(holders) == 2 and f"pid {server} (nixl-server)" in holders, holders
     lock = str(next(tmp_dir.glob("nixl-owner.*.lock")))
     assert lock in flocked_files(server) and lock not in flocked_files(owner_rank.pid)
     # Not the rank's child (its launcher, which forks it and exits, is reaped at the rank's next export): a host
@@ -390,6 +391,7 @@ def test_a_host_ignoring_or_reaping_sigchld_gets_its_killed_server_replaced_and_
     killed: tuple[int, ...] = ()
     for _ in range(2):  # each server's spare takes its place, and starts a spare of its own
         server = wait_for_server(port, host_pid, not_in=killed)
+        wait_for_spare(port)
         os.kill(server, signal.SIGKILL)
         killed += (server,)
     last = wait_for_server(port, host_pid, not_in=killed)

@@ -78,14 +78,16 @@ class ClaimLog:
         elif outcome.claim is Claim.UNBOUND:
             assert outcome.bind_error is not None
             self._concede(outcome.bind_error)
-        elif outcome.claim in (Claim.SERVING, Claim.STARTED):
+        elif outcome.claim is Claim.SERVING:
             if outcome.no_helper is not None:
                 self._no_helper(outcome.no_helper)
             if self._bind_warned or self._lost_logged or self._shortage_logged:
                 log.info("took over %s: this process now serves the run's telemetry", self.address)
-            self._bind_warned = self._shortage_logged = False
-            # The rank that started the server loses every election from now on, to its own server: nothing to say.
-            self._lost_logged = outcome.claim is Claim.STARTED
+            self._bind_warned = self._lost_logged = self._shortage_logged = False
+        elif outcome.claim is Claim.STARTED:
+            # Whether the server starts is heard later (app.rank.endpoint); from now on, this rank loses every
+            # election to its own server: nothing to say about that.
+            self._lost_logged = True
 
     def shortage(self, reason: str) -> None:
         if not self._shortage_logged:

@@ -119,11 +119,12 @@ class ScrapeEndpoint:
             return is_address_server(pid, self.address)
         return self._starting is not None and self._starting.status_fd >= 0
 
-    def claim(self, now_ns: int | None = None) -> int:
+    def claim(self, now_ns: int | None = None, constructing: bool = False) -> int:
         """Run the election (and take the address over if won); returns when to try again (ns).
 
         While serving from a thread, check that the lock file we hold is still the directory's (see watch()).
-        Never waits, and never raises for the environment: a failure to serve is conceded and retried later.
+        Never waits (but ``constructing``: see _start_server), and never raises for the environment: a failure
+        to serve is conceded and retried later.
         """
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if not self._lock.acquire(blocking=False):
@@ -143,7 +144,7 @@ class ScrapeEndpoint:
                     shortage = self.election.shortage
                     outcome = TakeOver(Claim.SHORT, reason=shortage) if shortage else TakeOver(Claim.LOST)
                 else:
-                    outcome = self._take_over(now_ns)
+                    outcome = self._take_over(now_ns, constructing)
             if self._closed:  # close() ran in a signal handler meanwhile: undo what is ours (a server stays)
                 self._stop()
                 outcome = TakeOver(Claim.CLOSED)
@@ -154,7 +155,7 @@ class ScrapeEndpoint:
 
     # -- winning --------------------------------------------------------------------------------------------
 
-    def _take_over(self, now_ns: int) -> TakeOver:
+    def _take_over(self, now_ns: int, constructing: bool) -> TakeOver:
         """Elected (the election is held): start the server, or serve from a thread; nothing is held if not."""
         helper = self.spec is not None and self._no_server is None
         if helper and not self._has_store():  # nothing of ours to publish yet: the export path recreates it first
@@ -171,7 +172,7 @@ class ScrapeEndpoint:
                 return TakeOver(Claim.ASKED)
             return _failure(exc)
         if helper:
-            return self._start_server(listener)
+            return self._start_server(listener, constructing)
         return self._serve_from_thread(listener)
 
     def _bind(self, now_ns: int) -> socket.socket:
@@ -202,7 +203,7 @@ class ScrapeEndpoint:
         except OSError:
             return False
 
-    def _start_server(self, listener: socket.socket) -> TakeOver:
+    def _start_server(self, listener: socket.socket, constructing: bool) -> TakeOver:
         assert self.spec is not None
         since = time.time()
         args = ServerArgs(address=self.address, directory=self.spec.directory, has_lock=self.election.descriptor
@@ -219,6 +220,12 @@ class ScrapeEndpoint:
         finally:
             listener.close()  # the server holds it now, or nobody
         self.election.forget()  # the lock stays: the server holds the same open file description
+        if constructing and started.launcher is not None:
+            # The launcher forks the server and exits as its interpreter starts (tens of milliseconds): reaped
+            # now, in the Exporter's constructor, so that a rank that never records (nor claims again) keeps no
+            # zombie child.  From the export path, it is reaped at a later claim instead: that path never waits.
+            started.launcher.wait()
+            started.launcher = None
         self._starting, self._server_pid = started, None
         self.serving_since = since
         return TakeOver(Claim.STARTED)
@@ -324,17 +331,18 @@ class ScrapeEndpoint:
 
     def _stop(self) -> None:
         started, self._starting = self._starting, None
-        server, self._server = self._server, None
-        listener, self._listener = self._listener, None
         self.serving_since = self.replaced_at = self._server_pid = None
         if started is not None:
             started.close()
             if started.launcher is not None:
                 started.launcher.wait()  # it forks and exits as it starts: never a child of ours left behind
-        if server is not None:
-            server.stop()
-        if listener is not None:
-            listener.close()  # the port first: a rank that wins the lock next must find it free
+        # Forgotten only once closed: a child forked meanwhile (stopping joins the serving threads, up to a poll
+        # interval) finds them where its fork hook closes its copies.
+        if self._server is not None:
+            self._server.stop()
+        if self._listener is not None:
+            self._listener.close()  # the port first: a rank that wins the lock next must find it free
+        self._server = self._listener = None
         self.election.release()
 
     def forget_after_fork(self) -> None:

@@ -153,15 +153,17 @@ class Exporter(Recording):
         # (the web app's callbacks close over the endpoint, not self), or it could never be collected.
         self._finalizer_state = _CloseState()
         self._finalizer = weakref.finalize(self, _release, self._endpoint, self._writer, self._finalizer_state)
+        # Registered before it claims: a child forked the instant its claim serves from a thread must find it.
+        _exporters.add(self)
         try:
             # Finite even for the owner: events keep checking the store file (_on_deadline).
-            self._claim_due_ns = self._endpoint.claim()
+            self._claim_due_ns = self._endpoint.claim(constructing=True)
             self._next_claim_ns = min(self._claim_due_ns, time.monotonic_ns() + REVALIDATE_NS)
             self._owners.poll()
         except BaseException:
+            _exporters.discard(self)
             self._finalizer()  # ... nor a bound port or a held election
             raise
-        _exporters.add(self)
 
     # -- properties -----------------------------------------------------
 
