@@ -116,6 +116,16 @@ def listening_pids(port: int) -> list[int]:
     return holders
 
 
+def holds_file(pid: int, st: os.stat_result) -> bool:
+    """Whether process ``pid`` has a descriptor of the file ``st`` describes (that this user can see)."""
+    with contextlib.suppress(OSError), stdio_occupied():
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(f"/proc/{pid}/fd/{fd}"), st):
+                    return True
+    return False
+
+
 def port_holders(port: int) -> str:
     """Who listens on TCP ``port``, from Linux's /proc: "pid 123 (prometheus)", or why that is unknown."""
     holders = []

@@ -209,18 +209,18 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
         assert_cpp_rank(before, c1.totals)  # a departed rank keeps its last values until the TTL
 
         # The aggregator goes away: the Python rank, recording, serves at its next claim (helper mode: through
-        # the address server it starts).  Then it goes too (with its server), and the C++ rank that keeps
-        # transferring re-runs its election (as it exports) and serves.
-        c0.pump()
+        # the address server it starts; the C++ rank, idle for now, claims nothing).  Then it goes too (with its
+        # server), and the C++ rank that transfers from then on re-runs its election (as it exports) and serves.
         killed = time.monotonic()
         aggregator.killpg(signal.SIGKILL)
         aggregator.popen.wait(DEADLINE_S)
         python_took_s, holder = wait_for_python_owner(port, py.pid, since=killed)
+        c0.pump()
         assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid, py.pid})
         killed = time.monotonic()
         end_python_owner(port, py, holder)
         cpp_took_s = wait_for_owner(port, c0.pid, since=killed)
-        assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid})
+        assert_not_backwards(before, parse_exposition(scrape(port)), active={c0.pid, py.pid})  # (py recorded)
 
         # A new aggregator waits for the address, and gets it when the C++ owner dies.
         second = start_aggregator(group, tmp_dir, port, wait=False)

@@ -3,7 +3,7 @@ forked child recording on its own; the scrape publishes exactly what each proces
 
 Both ways of serving.  From a thread, the owner is the serving rank, and its death is the takeover.  With an
 address server, the rank that started it is killed (its death moves nothing: its values stay published as
-departed) and so is its server, whose death is the takeover: a standby rank starts the next one."""
+departed), and so are its server and the server's spare: the next rank to record starts another."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from support import (
     START_DEADLINE_S,
     free_port,
     healthz,
+    kill_server_and_spare,
     parse_exposition,
     reaper_fixture,  # noqa: F401  (a fixture)
     scrape,
@@ -55,7 +56,7 @@ def test_scrape_totals_equal_recorded_totals_across_owner_kill_and_fork(tmp_dir,
     owner.process.proc.wait(timeout=10)
     if serve_mode == "helper":
         assert server != owner.pid
-        os.kill(server, signal.SIGKILL)
+        assert server in kill_server_and_spare(port)
     child = None
     for n, rank in enumerate(others):
         answer = rank.answer()

@@ -35,12 +35,12 @@ from typing import Any
 
 from app.health import WarningDoc, owner_doc, replaced_warning
 from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch, unusable
-from app.probe import is_address_server, listening_pids, signal_address_server
+from app.probe import holds_file, is_address_server, listening_pids, signal_address_server
 from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
 from app.server import BoundedServer, bind_listener, serve_in_thread
 from app.web import MetricsApp
 from election import Outcome, OwnerElection
-from election.lock import SCARCE, flock_entries
+from election.lock import SCARCE
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
@@ -181,9 +181,9 @@ class ScrapeEndpoint:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
-            if self._spare_waits():
-                raise _PortHeldBySpare() from None
             holders = [pid for pid in listening_pids(self.port) if pid != os.getpid()]
+            if self._held_by_our_spare(holders):
+                raise _PortHeldBySpare() from None
             if self._asked_at_ns is None or now_ns - self._asked_at_ns >= ASK_AGAIN_NS:
                 # The address server of another run (or of this directory before it was replaced): it gives the
                 # port up at once unless it has live ranks, and the next claim binds.  Found through /proc, not
@@ -192,16 +192,17 @@ class ScrapeEndpoint:
                     self._asked_at_ns = now_ns
             raise
 
-    def _spare_waits(self) -> bool:
-        """Whether a process waits in flock(LOCK_EX) for the lock we just won: our server's spare, which
-        holds the port, and which we beat to the lock the instant the server died (ranks never wait)."""
+    def _held_by_our_spare(self, holders: list[int]) -> bool:
+        """Whether a process holding the port also holds the lock file we just won: our server's spare (from its
+        start, before it even waits for the lock), which we beat to the lock the instant the server died."""
         fd = self.election.descriptor
         if fd is None:
             return False
         try:
-            return any(blocked for blocked, _ in flock_entries(os.fstat(fd)))
+            ours = os.fstat(fd)
         except OSError:
             return False
+        return any(holds_file(pid, ours) for pid in holders)
 
     def _start_server(self, listener: socket.socket, constructing: bool) -> TakeOver:
         assert self.spec is not None
