@@ -34,7 +34,8 @@ def owner_doc(*, pid: int, agent_name: str | None, address: str, mode: str, floc
     standalone, "gunicorn").
 
     ``started_by``: the rank that started the address server (it may be gone: the server is the job's);
-    ``log_file``: where the server's records go once that rank is gone (None while they go to its logging).
+    ``log_file``: the address server's log file (None where records go to the serving process's own logging,
+    or nowhere).
     """
     return {
         "pid": pid,

@@ -162,7 +162,7 @@ class BoundedServer(ThreadedWSGIServer):
         """For a process about to exit: stop accepting at once, and keep no connection for another request.
 
         It does not wait for the serving loop to notice (up to _POLL_S): an address server giving the address up
-        frees the port now (a standby that wins the lock next must find it free), and exits once the answers
+        frees the port now (whoever wins the lock next must find it free), and exits once the answers
         being written are.
         """
         self._stopping.set()
