@@ -144,6 +144,31 @@ class Scraper:
         self._thread.join(DEADLINE_S)
 
 
+class Poller:
+    """GET /metrics every 5 ms on a fresh connection, from a thread: how many were answered, and when each
+    failed one was sent (CLOCK_MONOTONIC)."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.answered = port, 0
+        self.failed: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            if try_scrape(self.port, timeout=5.0) is None:
+                self.failed.append(sent)
+            else:
+                self.answered += 1
+            self._stop.wait(0.005)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(DEADLINE_S)
+
+
 @pytest.fixture
 def scrapers() -> Iterator[list[Scraper]]:
     made: list[Scraper] = []
@@ -195,18 +220,7 @@ def test_no_request_fails_when_ranks_die_or_close_the_starting_rank_first(tmp_di
     ranks = [_start(reaper, tmp_dir, port) for _ in range(4)]
     server = _server(port)
     starter = _owner(port)["started_by"]
-    failed, answered, stop = [], [0], threading.Event()
-
-    def poll() -> None:
-        while not stop.is_set():
-            if try_scrape(port, timeout=5.0) is None:
-                failed.append(time.monotonic())
-            else:
-                answered[0] += 1
-            stop.wait(0.005)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    poller = Poller(port)
     try:
         by_pid = {r.pid: r for r in ranks}
         first = by_pid.pop(starter)  # type: ignore[arg-type]
@@ -215,13 +229,12 @@ def test_no_request_fails_when_ranks_die_or_close_the_starting_rank_first(tmp_di
         os.kill(second.pid, signal.SIGTERM)  # closes its Exporter
         second.proc.wait(DEADLINE_S)
         third.kill()
-        before = answered[0]
-        wait_until(lambda: answered[0] >= before + 20, message="scrapes after the deaths")
+        before = poller.answered
+        wait_until(lambda: poller.answered >= before + 20, message="scrapes after the deaths")
         assert _counts(try_scrape(port)).keys() == set(_final_values(tmp_dir)) | {last.pid}
     finally:
-        stop.set()
-        poller.join(DEADLINE_S)
-    assert failed == []
+        poller.close()
+    assert poller.failed == []
     assert _owner(port)["server_pid"] == server  # nothing moved
 
 
@@ -248,33 +261,21 @@ def test_a_killed_server_costs_no_request_its_spare_answers_then_starts_a_spare(
     port = free_port()
     ranks = [_start(reaper, tmp_dir, port, rate=0 if ranks_do == "idle" else 50) for _ in range(3)]
     server, _ = _server_and_spare(port)
-    failed, answered, stop = [], [0], threading.Event()
     killed: list[float] = []
-
-    def poll() -> None:  # every 5 ms, on a fresh connection each time
-        while not stop.is_set():
-            sent = time.monotonic()
-            if try_scrape(port, timeout=5.0) is None:
-                failed.append(sent)
-            else:
-                answered[0] += 1
-            stop.wait(0.005)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    poller = Poller(port)
     try:
         for _ in range(3):  # three deaths in a row, each once the new spare waits for the lock
             wait_for_spare_waiting(port)
             killed.append(time.monotonic())
             os.kill(server, signal.SIGKILL)
             server = _server_and_spare(port, not_server=server)[0]
-            before = answered[0]
-            wait_until(lambda before=before: answered[0] >= before + 5, message="scrapes answered after the death")
+            before = poller.answered
+            wait_until(lambda before=before: poller.answered >= before + 5, message="scrapes answered after the death")
     finally:
-        stop.set()
-        poller.join(DEADLINE_S)
+        poller.close()
     # A request the dying server had itself accepted cannot be saved: only those sent once it was dead count.
-    assert [at for at in failed if not any(kill - 5.0 < at <= kill for kill in killed)] == [], (failed, killed)
+    late = [at for at in poller.failed if not any(kill - 5.0 < at <= kill for kill in killed)]
+    assert late == [], (poller.failed, killed)
     assert sorted(_counts(try_scrape(port))) == sorted(r.pid for r in ranks)
     assert _owner(port)["server_pid"] == server
 

@@ -48,6 +48,7 @@ _warner = OnceWarner(log)
 
 WATCH_NS = 1_000_000_000  # a serving thread-mode rank checks that its lock file is still the directory's every 1 s
 ASK_AGAIN_NS = 5_000_000_000  # another run's server that kept the port is asked again after this long
+YIELD_WAIT_S = 1.0  # the constructor's wait for the port that server gives up
 START_BACKOFF_MIN_S, START_BACKOFF_MAX_S = 0.05, 5.0  # between starts of a server that keeps failing to start
 
 # Held by a claim from its win until the lock and the listener are the server's alone (or the rank's own
@@ -123,7 +124,7 @@ class ScrapeEndpoint:
         """Run the election (and take the address over if won); returns when to try again (ns).
 
         While serving from a thread, check that the lock file we hold is still the directory's (see watch()).
-        Never waits (but ``constructing``: see _start_server), and never raises for the environment: a failure
+        Never waits (but ``constructing``: see _bind and _start_server), and never raises for the environment: a failure
         to serve is conceded and retried later.
         """
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
@@ -162,20 +163,21 @@ class ScrapeEndpoint:
             self.election.release()
             return TakeOver(Claim.LOST)
         try:
-            listener = self._bind(now_ns)
+            listener = self._bind(now_ns, constructing)
         except _PortHeldBySpare:
             self.election.release()
             return TakeOver(Claim.LOST)
         except (OSError, RuntimeError, MemoryError) as exc:
             self.election.release()  # give it back at once, so that any other rank can take it meanwhile
-            if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE and self._asked_at_ns == now_ns:
+            if (isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE and self._asked_at_ns == now_ns
+                    and not constructing):  # (the constructor waited already: the port was kept, said below)
                 return TakeOver(Claim.ASKED)
             return _failure(exc)
         if helper:
             return self._start_server(listener, constructing)
         return self._serve_from_thread(listener)
 
-    def _bind(self, now_ns: int) -> socket.socket:
+    def _bind(self, now_ns: int, constructing: bool) -> socket.socket:
         try:
             return bind_listener(self.host, self.port)
         except OSError as exc:
@@ -184,13 +186,26 @@ class ScrapeEndpoint:
             holders = [pid for pid in listening_pids(self.port) if pid != os.getpid()]
             if self._held_by_our_spare(holders):
                 raise _PortHeldBySpare() from None
-            if self._asked_at_ns is None or now_ns - self._asked_at_ns >= ASK_AGAIN_NS:
-                # The address server of another run (or of this directory before it was replaced): it gives the
-                # port up at once unless it has live ranks, and the next claim binds.  Found through /proc, not
-                # its /healthz, which would look at the election and see ours, held for this moment only.
-                if any([signal_address_server(pid, self.address, signal.SIGUSR1) for pid in holders]):
-                    self._asked_at_ns = now_ns
-            raise
+            if self._asked_at_ns is not None and now_ns - self._asked_at_ns < ASK_AGAIN_NS:
+                raise
+            # The address server of another run (or of this directory before it was replaced): it gives the port
+            # up at once unless it has live ranks, and the next claim binds.  Found through /proc, not its
+            # /healthz, which would look at the election and see ours, held for this moment only.
+            if not any([signal_address_server(pid, self.address, signal.SIGUSR1) for pid in holders]):
+                raise
+            self._asked_at_ns = now_ns
+            if not constructing:
+                raise  # the export path never waits: the next claim binds
+        # The Exporter's constructor: a rank that records nothing for a while (a job's set-up) would claim no
+        # more; it waits for the port the server gives up (milliseconds), bounded by YIELD_WAIT_S.
+        deadline = time.monotonic() + YIELD_WAIT_S
+        while True:
+            try:
+                return bind_listener(self.host, self.port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.005)
 
     def _held_by_our_spare(self, holders: list[int]) -> bool:
         """Whether a process holding the port also holds the lock file we just won: our server's spare (from its
