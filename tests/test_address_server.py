@@ -450,16 +450,34 @@ def test_an_exporter_in_this_process_leaves_the_server_serving_after_close(tmp_d
     assert _counts(try_scrape(port)) == {os.getpid(): 7.0}
 
 
+DIRECTORIES = {  # who owns the run's directory, its mode, and whether a capless root server can list it
+    "root's (0700)": (0, 0, 0o700, True),
+    "a group's (2770)": (12345, 12345, 0o2770, True),
+    "another user's, private (0700)": (12345, 12345, 0o700, False),
+}
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="a root rank's server")
-def test_a_root_ranks_server_keeps_no_capability_it_does_not_need(tmp_dir: Path, reaper: Reaper) -> None:
+@pytest.mark.parametrize("directory", list(DIRECTORIES))
+def test_a_root_ranks_server_keeps_no_capability(tmp_dir: Path, reaper: Reaper, directory: str) -> None:
+    uid, gid, mode, listable = DIRECTORIES[directory]
+    os.chown(tmp_dir, uid, gid)
+    os.chmod(tmp_dir, mode)
     port = free_port()
-    _start(reaper, tmp_dir, port, rate=0)
-    server = _server(port)
+    rank = _start(reaper, tmp_dir, port, rate=20, RANK_LOG_LEVEL="WARNING")
+    server = _server(port) if listable else wait_until(
+        lambda: next((p for p in listening_pids(port) if is_address_server(p, f"127.0.0.1:{port}")), None),
+        message="the address server listening")
     status = dict(line.split(":\t", 1) for line in Path(f"/proc/{server}/status").read_text().splitlines()
                   if ":\t" in line)
     assert status["Uid"].split()[0] == "0"  # the stores are root's: a reader skips another owner's
-    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, status  # the directory is root's
-    assert _counts(try_scrape(port)) != {}  # and it serves all the same (the port below 1024 or not)
+    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, status
+    assert int(status["NoNewPrivs"]) == 1, status
+    if listable:
+        assert _counts(try_scrape(port)) != {}  # and it serves all the same
+    else:  # said, once, by the rank that started it; /healthz says why nothing is served
+        wait_until(lambda: "cannot list" in rank.stderr_text(), message="the rank saying why")
+        assert rank.stderr_text().count("cannot list") == 1, rank.stderr_text()
 
 
 def test_a_slow_server_is_never_replaced(tmp_dir: Path, reaper: Reaper) -> None:

@@ -131,6 +131,7 @@ def test_existing_world_writable_directory_is_warned_about_and_left_alone(tmp_di
 
 def test_directory_owned_by_another_uid_is_warned_about(tmp_dir: Path, make_exporter, caplog) -> None:
     os.chown(tmp_dir, 12345, 12345)
+    os.chmod(tmp_dir, 0o2770)  # (a project's group directory: a root rank's server, capless, joins its group)
     port = free_port()
     with caplog.at_level(logging.WARNING):
         exp = make_exporter("a", exporter_env(tmp_dir, port))

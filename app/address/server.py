@@ -72,7 +72,8 @@ _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTST
 _PR_SET_NAME = 15  # <linux/prctl.h>
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>
-_DAC_CAPABILITIES = (1 << 1) | (1 << 2) | (1 << 3)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+_PR_SET_SECUREBITS, _SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 28, 1 << 0, 1 << 1  # <linux/securebits.h>
+_PR_SET_NO_NEW_PRIVS = 38
 _SCARCE = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _STATUS_FD = 1  # the starter's status pipe, until this process serves (or, a spare, waits)
 
@@ -109,7 +110,11 @@ def main(state_json: str) -> None:
         spare = state["role"] == "spare"
         _set_comm(SPARE_COMM if spare else SERVER_COMM)
         _log_to_file(args)
-        _drop_capabilities(args.directory)
+        problem = _drop_capabilities(args.directory)
+        if problem is not None:
+            log.warning("%s", problem)
+            if not spare:
+                _tell_starter(WARNING + problem)
         listener = socket.socket(fileno=state["listener_fd"])
         lock_fd = state["lock_fd"]
         if spare:
@@ -180,25 +185,39 @@ def _log_to_file(args: ServerArgs) -> None:
     root.addHandler(handler)
 
 
-def _drop_capabilities(directory: Path) -> None:
-    """Keep no capability the server does not need (a root rank's would be all of them): none, or only those
-    that read and reap a directory of another owner (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER).
+def _drop_capabilities(directory: Path) -> str | None:
+    """Keep no capability (a root rank's server would have all of them); what it cannot do without, in words.
 
-    Its uid stays the rank's: the stores are the rank's, and a reader skips stores of another owner.  The
-    listener and the lock were handed over open, so neither a low port nor the lock file needs anything.
+    Its uid stays the rank's: the stores are the rank's (0600), and a reader skips stores of another owner.  The
+    listener and the lock were handed over open, so neither a low port nor the lock file needs anything.  A root
+    rank's directory of another owner (a project's group directory, 2770) is reached through its group, which the
+    server joins first (its only supplementary group); one it can reach only through a DAC override (another
+    user's private 0700 directory) is said, and nothing is served from it.  Root's capabilities never come back:
+    no exec of ours regains them (SECBIT_NOROOT, locked), nor does anything else (no_new_privs).
     """
     if os.geteuid() != 0:
-        return  # an unprivileged process has no capability to drop (unless granted by file: never to python)
-    try:
-        keep = 0 if os.stat(directory).st_uid == os.geteuid() else _DAC_CAPABILITIES
-    except OSError:
-        keep = _DAC_CAPABILITIES
+        return None  # an unprivileged process has no capability to drop (unless granted by file: never to python)
     libc = ctypes.CDLL(None, use_errno=True)
+    with contextlib.suppress(OSError):
+        owner = os.stat(directory)
+        if owner.st_uid != 0:
+            os.setgroups([owner.st_gid])
+    libc.prctl(_PR_SET_SECUREBITS, _SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED, 0, 0, 0)
+    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)  # (effective, permitted, inheritable) x 2 words
+    data = (ctypes.c_uint32 * 6)(0, 0, 0, 0, 0, 0)  # (effective, permitted, inheritable) x 2 words
     if libc.capset(header, data) != 0:
-        log.warning("the address server could not drop its capabilities: %s", os.strerror(ctypes.get_errno()))
+        return f"the address server could not drop its capabilities ({os.strerror(ctypes.get_errno())})"
+    try:
+        os.listdir(directory)
+    except PermissionError:
+        return (f"the address server of a root rank keeps no capability, and cannot list {directory} without "
+                "one (another user's private directory?): it serves nothing from it. Give the directory to the "
+                "run's user, or to a group (mode 2770, as docs/operations.md shows)")
+    except OSError:
+        pass  # (gone, or not there yet: the server says so as it scans)
+    return None
 
 
 # -- the spare -------------------------------------------------------------------------------------------------

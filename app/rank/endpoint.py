@@ -256,8 +256,8 @@ class ScrapeEndpoint:
             for line in lines:
                 if line.startswith(READY):
                     self._server_pid, self._failures = int(line[1:]), 0
-                elif line.startswith(WARNING):
-                    log.warning("%s", line[1:])
+                elif line.startswith(WARNING):  # (once: each new server of the address may say the same)
+                    _warner.warn(("server", self.address, line), "%s", line[1:])
                 elif line.startswith(ERROR):
                     said = line[1:]
             if ended and self._server_pid is None and not started.lost:
