@@ -225,7 +225,20 @@ STARVED_TAKEOVER = """
         sys.exit(0)
     lift()
     deadline = time.monotonic() + 20
-    while not exp.serving and time.monotonic() < deadline:
+
+    def answered():  # (a server started before the lift may still fail: it is said serving until it does)
+        import http.client
+        connection = http.client.HTTPConnection("127.0.0.1", int(os.environ["NIXL_TELEMETRY_PROMETHEUS_PORT"]),
+                                                timeout=2)
+        try:
+            connection.request("GET", "/healthz")
+            return connection.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            connection.close()
+
+    while not (exp.serving and answered()) and time.monotonic() < deadline:
         exp.export_event(E.AGENT_TX_BYTES, 1)
         time.sleep(0.05)
     say(serving=exp.serving)

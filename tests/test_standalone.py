@@ -215,7 +215,7 @@ def test_master_sigkill_takes_the_workers_and_frees_the_address(tmp_path: Path) 
         wait_until(lambda: pids_alive(workers) == [], 5, "the orphaned workers to exit")
         assert lock_is_free(lock_path)
 
-        # ... and with a rank running, the rank takes the address over (its standby waits in the kernel) and
+        # ... and with a rank running, the rank takes the address over (its claims run as it records) and
         # starts an address server: the workers no longer listen on it, so its first bind after winning succeeds.
         master = start_aggregator(r, directory, port, workers=2)
         rank = r.rank(directory, port, 0)
