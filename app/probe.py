@@ -180,9 +180,9 @@ def _comm(pid: int) -> str | None:
         return None
 
 
-def is_address_server(pid: int, address: str, comms: tuple[str, ...] = (SERVER_COMM,)) -> bool:
-    """Whether process ``pid`` is provably ours for ``address``: an address server (with SPARE_COMM in ``comms``,
-    or its spare) of this user, for exactly that address."""
+def runs_helper_command(pid: int, address: str) -> bool:
+    """Whether process ``pid`` is this user's and its command line is ours for exactly ``address`` (an address
+    server, its spare, or the launcher of either, which has no name of ours yet)."""
     try:
         with stdio_occupied():
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -190,8 +190,14 @@ def is_address_server(pid: int, address: str, comms: tuple[str, ...] = (SERVER_C
     except OSError:
         return False
     uids = next((line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")), [])
-    return (_comm(pid) in comms and bool(uids) and all(uid == str(os.geteuid()) for uid in uids)
+    return (bool(uids) and all(uid == str(os.geteuid()) for uid in uids)
             and argv[-3:] == [HELPER_MARK.encode(), address.encode(), b""])
+
+
+def is_address_server(pid: int, address: str, comms: tuple[str, ...] = (SERVER_COMM,)) -> bool:
+    """Whether process ``pid`` is provably ours for ``address``: an address server (with SPARE_COMM in ``comms``,
+    or its spare) of this user, for exactly that address."""
+    return _comm(pid) in comms and runs_helper_command(pid, address)
 
 
 def signal_address_server(pid: int, address: str, signum: int, comms: tuple[str, ...] = (SERVER_COMM,)) -> bool:

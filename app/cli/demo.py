@@ -30,6 +30,7 @@ from app.probe import (
     listening_pids,
     listening_sockets,
     port_holders,
+    runs_helper_command,
     signal_address_server,
 )
 from store import EventType
@@ -270,13 +271,14 @@ def _serve_final_values(port: int, ttl_s: float, stop: StopSignals) -> None:
 def _stop_server(port: int) -> None:
     """Stop the demo's address server and its spare, if they still serve (the demo was stopped, or failed),
     before its directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it
-    running.  A server still starting may hold the port before it shows as our server: waited on until it does."""
+    running.  A server or spare still starting holds the port before it shows as ours (its launcher has our command
+    line, not yet our name): waited on until it does."""
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_STOP_S
     while listening_sockets(port) and time.monotonic() < deadline:
         holders = listening_pids(port)
         ours = [pid for pid in holders if is_address_server(pid, address, (SERVER_COMM, SPARE_COMM))]
-        if holders and not ours:
+        if holders and not any(runs_helper_command(pid, address) for pid in holders):
             return  # another program's listener: not the demo's to stop
         for pid in ours:  # SIGTERM: a server gives the port up (its spare first) and exits; a spare just ends
             signal_address_server(pid, address, signal.SIGTERM, (SERVER_COMM, SPARE_COMM))
