@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from store import EventType, flags, parse_buckets
+from store import EventType, flags, native, parse_buckets
 
 log = logging.getLogger("nixl_prometheus_mp")
 
@@ -179,6 +179,9 @@ class Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         env = os.environ if environ is None else environ
+        problem = native.pure_python_problem()  # (the process's: the hot path it took at import)
+        if problem is not None:
+            raise ConfigError(problem)
         directory = env.get(DIR_ENV, "")
         if not directory.strip():
             raise ConfigError(f"{DIR_ENV} is required: set it to a directory shared by every rank of the run "

@@ -34,11 +34,19 @@ _warned = False
 
 
 def pure_python_forced() -> bool:
-    """True when NIXL_PROMETHEUS_MP_PURE_PYTHON is a yes word; unset or empty is no.
+    """True when NIXL_PROMETHEUS_MP_PURE_PYTHON is a yes word; unset or empty is no, and so is a value that is no
+    yes/no word, which is refused where the package is first used (pure_python_problem) rather than at import:
+    an import error in every rank would be a traceback, not one line ("false" and "no" once forced the path)."""
+    return pure_python_problem() is None and parse_flag(PURE_PYTHON_ENV, os.environ.get(PURE_PYTHON_ENV) or None)
 
-    Any other value is a ValueError naming it, not a guess: "false" and "no" once forced the Python path.
-    """
-    return parse_flag(PURE_PYTHON_ENV, os.environ.get(PURE_PYTHON_ENV) or None)
+
+def pure_python_problem() -> str | None:
+    """What is wrong with NIXL_PROMETHEUS_MP_PURE_PYTHON, in one line naming its value; None if nothing is."""
+    try:
+        parse_flag(PURE_PYTHON_ENV, os.environ.get(PURE_PYTHON_ENV) or None)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _import(name: str) -> ModuleType:

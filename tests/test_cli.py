@@ -349,3 +349,27 @@ def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in demo.output, demo.output
     # A stop stops the ranks' address server too, at once (no TTL wait): nothing listens on the port.
     assert can_bind(port), f"something still listens on port {port}"
+
+
+@pytest.mark.parametrize("command", [["inspect", "{dir}"], ["inspect", "--json", "{dir}"],
+                                     ["top", "--once", "--interval", "0.2", "{dir}"],
+                                     ["top", "--json", "--interval", "0.2", "{dir}"],
+                                     ["demo", "--ranks", "2", "--duration", "2", "--port", "{port}"]],
+                         ids=["inspect", "inspect --json", "top --once", "top --json", "demo"])
+def test_a_closed_pipe_ends_a_subcommand_quietly_as_a_unix_tool(tmp_path: Path, command: list[str]) -> None:
+    """``... | head -1``, ``... | true``: the reader is gone; the command ends at its next write, with no
+    traceback and the status a shell gives a tool that SIGPIPE ended (128 + 13)."""
+    directory = tmp_path / "mp"
+    directory.mkdir(mode=0o700)
+    StoreWriter(directory, StoreIdentity("a", "host", "", 0, (10.0,))).close()  # something to print
+    args = [arg.format(dir=directory, port=free_port()) for arg in command]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write fails with EPIPE (Python ignores SIGPIPE)
+    try:
+        done = subprocess.run([*CLI, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+                              env=rank_env(tmp_path / "unused", free_port(), TMPDIR=str(tmp_path)))
+    finally:
+        os.close(write_end)
+    assert done.returncode == 128 + signal.SIGPIPE, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nixl-metrics-demo-")] == []

@@ -188,15 +188,20 @@ def test_the_c_speedups_are_used_unless_the_python_path_is_forced(forced: str, p
     assert done.stdout.split() == [str(python_path)] * 2
 
 
-def test_a_pure_python_value_that_is_no_yes_no_word_is_an_error_naming_it() -> None:
-    env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": "maybe"}
-    # What a rank imports (``import app`` alone loads nothing until a name is asked for).
-    done = subprocess.run([sys.executable, "-c", "from app import Exporter"], cwd=PROJECT_ROOT, env=env,
+def test_a_pure_python_value_that_is_no_yes_no_word_is_an_error_naming_it(tmp_path: Path) -> None:
+    """One line naming the value where the package is first used, never a traceback: the Exporter's ConfigError,
+    the command line's error; importing the package is fine (every rank imports it)."""
+    env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": "maybe", "NIXL_TELEMETRY_MULTIPROC_DIR": str(tmp_path)}
+    said = ("NIXL_PROMETHEUS_MP_PURE_PYTHON='maybe' is not a yes/no word (use one of y, yes, on, 1, true, "
+            "enable or n, no, off, 0, false, disable, in any case)")
+    code = ("import store, app.rank.exporter\nfrom app import ConfigError, Exporter\n"
+            "try:\n    Exporter('a')\nexcept ConfigError as exc:\n    print(exc)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip(), done.stderr) == (0, said, ""), done
+    done = subprocess.run([sys.executable, "-m", "app", "inspect", str(tmp_path)], cwd=PROJECT_ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == (
-        "ValueError: NIXL_PROMETHEUS_MP_PURE_PYTHON='maybe' is not a yes/no word (use one of y, yes, on, 1, true, "
-        "enable or n, no, off, 0, false, disable, in any case)"), done.stderr
+    assert (done.returncode, done.stderr.strip()) == (2, f"nixl-prometheus-mp: error: {said}"), done
 
 
 # Both scans with the system-call shim armed: every other openat, fstat, flock and pread is interrupted (EINTR).

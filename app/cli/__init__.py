@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from app.cli.inspect import cmd_inspect
 from app.cli.serve import AGGREGATE_COMMAND, AGGREGATOR_APP, AGGREGATOR_CONFIG, cmd_aggregate, cmd_serve
 from app.cli.top import cmd_top
 from app.config import DIR_ENV, TTL_ENV, ConfigError
+from store import native
 
 __all__ = ["AGGREGATE_COMMAND", "AGGREGATOR_APP", "AGGREGATOR_CONFIG", "PROG", "build_parser", "main"]
 
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    problem = native.pure_python_problem()
+    if problem is not None:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     run: Callable[[], int]
     if argv[:1] == [AGGREGATE_COMMAND]:  # gunicorn's options and gunicorn's logging, not ours
         run = functools.partial(cmd_aggregate, argv[1:])
@@ -77,3 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:  # Ctrl-C before a command installed its own handling (serve's wait for the address)
         return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # Whoever read our output went away (``| head -1``, ``| true``): end quietly with the status a Unix tool
+        # killed by SIGPIPE gets from a shell.  Our stdout goes to /dev/null first, or the interpreter's own flush
+        # at exit would fail on the closed pipe and print a traceback after all.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
