@@ -155,29 +155,48 @@ _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def stop_address_servers() -> None:
-    """SIGKILL and reap every address server and spare this worker adopted (zombies included): the spares first,
-    which would otherwise take a killed server's place."""
+    """SIGKILL and reap every process of an address server's this worker adopted: servers, spares, launchers,
+    zombies included.  The servers are stopped first (one whose spare dies would start another); a launcher
+    orphaned by its server's death still forks what it launched, adopted here a moment later: looked for again
+    until none has shown for a moment (bounded by a deadline only a hang reaches)."""
     import signal
+    import time
 
-    from app.probe import SERVER_COMM, SPARE_COMM
+    from app.probe import HELPER_MARK, SERVER_COMM, SPARE_COMM
 
-    for comm_wanted in (SPARE_COMM, SERVER_COMM):
-        _stop_adopted(comm_wanted, signal.SIGKILL)
-
-
-def _stop_adopted(comm_wanted: str, signum: int) -> None:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    deadline = time.monotonic() + 20.0
+    quiet_since = None
+    while time.monotonic() < deadline:
+        adopted = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                comm, _, rest = Path(f"/proc/{entry}/stat").read_text().partition(") ")
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            name = comm.partition(" (")[2]
+            if int(rest.split()[1]) == os.getpid() and (HELPER_MARK.encode() in argv or name in (SERVER_COMM,
+                                                                                                 SPARE_COMM)):
+                adopted.append((int(entry), name))  # (a zombie's command line is empty: its name is kept)
+        if not adopted:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since > 0.3:
+                return
+            time.sleep(0.02)
             continue
-        try:
-            comm, _, rest = Path(f"/proc/{entry}/stat").read_text().partition(") ")
-        except OSError:
-            continue
-        if comm.partition(" (")[2] == comm_wanted and int(rest.split()[1]) == os.getpid():
+        quiet_since = None
+        for pid, comm in adopted:
+            if comm == SERVER_COMM:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGSTOP)
+        for pid, _ in adopted:
             with contextlib.suppress(OSError):
-                os.kill(int(entry), signum)
+                os.kill(pid, signal.SIGKILL)
+        for pid, _ in adopted:
             with contextlib.suppress(OSError):
-                os.waitpid(int(entry), 0)
+                os.waitpid(pid, 0)
 
 
 @pytest.fixture(autouse=True, scope="module")
