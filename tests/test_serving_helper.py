@@ -269,6 +269,7 @@ def test_a_server_out_of_descriptors_backs_off_and_answers_again(tmp_dir: Path, 
     port = free_port()
     owner_rank = rank(reaper, tmp_dir, port)
     server = wait_for_server(port, owner_rank.pid)
+    wait_for_spare(port)  # (the spare's start opens and closes descriptors in the server: settled first)
     owner_rank.events([(0, 7)])
     limits = resource.prlimit(server, resource.RLIMIT_NOFILE)
 
