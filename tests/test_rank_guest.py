@@ -43,6 +43,7 @@ from support import (  # noqa: F401  (pytest fixtures)
     scrape,
     start_exporter_rank,
     start_rank,
+    wait_for_spare,
     wait_until,
 )
 
@@ -551,6 +552,7 @@ def test_a_host_that_blocks_sigterm_leaves_its_server_a_clean_mask(tmp_dir: Path
     process = start_rank(reaper, BLOCKING_RANK, exporter_env(tmp_dir, port, **HELPER))
     pid = json.loads(process.readline(START_DEADLINE_S))["pid"]
     server = served_by_server_of(port, pid)
+    wait_for_spare(port)  # (while it starts its spare, Popen blocks every signal for the moment of its vfork)
     status = dict(line.split(":", 1) for line in Path(f"/proc/{server}/status").read_text().splitlines())
     assert int(status["SigBlk"], 16) == 0 and int(status["SigIgn"], 16) & (1 << (signal.SIGTERM - 1)) == 0
     os.kill(server, signal.SIGTERM)  # (an operator's: the address is given up, the spare with it)
