@@ -100,6 +100,7 @@ class ScrapeEndpoint:
         self._asked_at_ns: int | None = None  # when another run's server was last asked to yield the port
         self._server: BoundedServer | None = None  # thread mode: our server and listener
         self._listener: socket.socket | None = None
+        self._socket_ids: list[tuple[int, int]] = []  # thread mode: (descriptor, inode) of both listening sockets
         self.serving_since: float | None = None
         self.replaced_at: float | None = None
 
@@ -282,6 +283,9 @@ class ScrapeEndpoint:
             self.election.release()
             return _failure(exc)
         self._listener = listener
+        # What a forked child closes (by number, once it proves the number still names the socket): a socket
+        # object being closed by another thread at the fork has forgotten its number before its close(2) ran.
+        self._socket_ids = [(sock.fileno(), os.fstat(sock.fileno()).st_ino) for sock in (listener, self._server.socket)]
         self.serving_since = time.time()
         return TakeOver(Claim.SERVING, no_helper=self._no_server)
 
@@ -359,6 +363,7 @@ class ScrapeEndpoint:
         if self._listener is not None:
             self._listener.close()  # the port first: a rank that wins the lock next must find it free
         self._server = self._listener = None
+        self._socket_ids = []
         self.election.release()
 
     def forget_after_fork(self) -> None:
@@ -372,11 +377,13 @@ class ScrapeEndpoint:
             started.close()
         for sock in (self._listener, None if self._server is None else self._server.socket):
             if sock is not None:
-                # detach() marks the object closed without closing, so its finalizer never closes a number the
-                # child reuses; os.close drops the child's copy only (the parent keeps listening).
-                with contextlib.suppress(OSError):
-                    os.close(sock.detach())
+                sock.detach()  # the object forgets its number: its finalizer never closes one the child reuses
+        for fd, inode in self._socket_ids:  # the child's copies only (the parent keeps listening)
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_ino == inode:
+                    os.close(fd)
         self._server = self._listener = None
+        self._socket_ids = []
         self._server_pid = None
         self.serving_since = self.replaced_at = None
         self.election.forget()
