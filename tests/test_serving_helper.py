@@ -134,10 +134,11 @@ def test_the_winning_rank_hands_the_address_to_a_server_that_names_it(tmp_dir: P
     assert doc["pid"] == server and doc["started_by"] == owner_rank.pid and doc["agent_name"] == "agent-0"
     assert doc["mode"] == "in-process" and doc["election"] == "flock" and doc["serving_since"] is not None
     assert doc["log_file"] == str(tmp_dir / f"nixl-server.127.0.0.1:{port}.log")  # its records go to its file
-    # The server (and its spare) alone hold the port and the lock: the rank kept no copy of either.
-    holders = wait_until(lambda: sorted(port_holders(port).split(", ")) if "nixl-spare" in port_holders(port)
-                         else None, message="the spare waiting")
-    assert len(holders) == 2 and f"pid {server} (nixl-server)" in holders, holders
+    # The server (and its spare) alone hold the port and the lock: the rank kept no copy of either.  The spare's
+    # launcher holds a copy for the moment it forks the spare and exits: wait for it to be gone.
+    holders = wait_until(lambda: held if len(held := port_holders(port).split(", ")) == 2
+                         and any("(nixl-spare)" in h for h in held) else None, message="the spare waiting alone")
+    assert f"pid {server} (nixl-server)" in holders, holders
     lock = str(next(tmp_dir.glob("nixl-owner.*.lock")))
     assert lock in flocked_files(server) and lock not in flocked_files(owner_rank.pid)
     # Not the rank's child (its launcher, which forks it and exits, is reaped at the rank's next export): a host
