@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from app.threads import new_thread
+
 REQUEST_TIMEOUT_S = 10.0  # from a request's first byte (a new connection's accept) to the end of its answer
 IDLE_S = 90.0  # a persistent connection waits this long for its next request (Prometheus scrapes every 15-60 s)
 SPARE_WORKERS = 2  # pool threads left waiting for the next connection...
@@ -85,8 +87,7 @@ class Connections:
                 self._spare -= 1
                 self._jobs.put((sock, address))
                 return True
-            worker = threading.Thread(target=self._work, args=(sock, address), name=f"{self.name}-conn",
-                                      daemon=True)
+            worker = new_thread(self._work, f"{self.name}-conn", "nixl-conn", (sock, address))
             self.workers.add(worker)
         try:
             worker.start()

@@ -15,6 +15,8 @@ import logging
 import queue
 import threading
 
+from app.threads import new_thread
+
 # The loggers this package logs through (a logger's filters see only its own records, not its children's).
 LOGGERS = ("nixl_prometheus_mp", "nixl_prometheus_mp.store", "nixl_prometheus_mp.election",
            "nixl_prometheus_mp.web", "nixl_prometheus_mp.endpoint", "nixl_prometheus_mp.helper",
@@ -47,7 +49,7 @@ def emit_later(record: logging.LogRecord) -> None:
     with _lock:
         if _emitter is not None:
             return
-        thread = threading.Thread(target=_emit, name="nixl-log", daemon=True)
+        thread = new_thread(_emit, "nixl-log", "nixl-log")
         try:
             thread.start()
             _emitter = thread

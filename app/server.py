@@ -23,6 +23,7 @@ from werkzeug.serving import ThreadedWSGIServer
 from app.connections import REQUEST_TIMEOUT_S, Connections
 from app.http import PersistentHandler
 from app.logsink import never_block_on_logs
+from app.threads import new_thread
 from election.lock import SCARCE
 from store.fds import stdio_occupied
 from store.warnonce import OnceWarner
@@ -242,7 +243,7 @@ def serve_in_thread(sock: socket.socket, app: Any, name: str) -> tuple[BoundedSe
     host, port = sock.getsockname()[:2]
     with stdio_occupied():
         server = BoundedServer(host, port, app, handler=_QuietHandler, fd=sock.fileno())
-    thread = threading.Thread(target=_serve_forever, args=(server,), name=name, daemon=True)
+    thread = new_thread(_serve_forever, name, "nixl-accept", (server,))
     server.serve_thread = thread
     try:
         thread.start()

@@ -9,8 +9,10 @@ succession``); here, what happens and in what order.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
 import signal
 import textwrap
 import threading
@@ -419,6 +421,74 @@ def test_no_thread_of_ours_in_a_rank_that_started_the_server_or_lost_nor_after_c
         rank.send("threads")
         assert json.loads(rank.readline()) == []
     assert sorted(_counts(try_scrape(port))) == sorted(r.pid for r in ranks)  # the server serves on
+
+
+def _inventory() -> dict[str, tuple[set[str], set[str]]]:
+    """docs/architecture.md's table of our processes and threads: for each row (its "where"), the kernel's
+    thread names (`ps -T`) and Python's, as written (``<address>``, ``<port>`` left as such)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    table = text.split("## Processes and threads of ours", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    header = [cell.strip() for cell in rows[0]]
+    kernel, python = header.index("threads (`ps -T`)"), header.index("Python's names")
+    return {row[0].strip(): (set(re.findall(r"`([^`]+)`", row[kernel])), set(re.findall(r"`([^`]+)`", row[python])))
+            for row in rows[1:]}
+
+
+def _kernel_thread_names(pid: int) -> set[str]:
+    return {(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def _keep_alive_scrape(port: int) -> http.client.HTTPConnection:
+    """A scrape on a connection left open: its connection thread stays while it is."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE_S)
+    connection.request("GET", "/metrics")
+    assert connection.getresponse().read()
+    return connection
+
+
+def test_a_running_jobs_processes_and_threads_are_the_architecture_documents(tmp_dir: Path,
+                                                                              reaper: Reaper) -> None:
+    inventory = _inventory()
+    port = free_port()
+    ranks = [_start(reaper, tmp_dir, port, rate=20) for _ in range(2)]
+    server, spare = _server_and_spare(port)
+    scrape = _keep_alive_scrape(port)
+    try:
+        # The server: its main thread, the accepting thread, one thread per open connection; a log emitter
+        # only while the serving threads have records to write.
+        documented = inventory["nobody's child (init or the nearest subreaper)"][0] | inventory["the address server"][0]
+        seen = wait_until(lambda: names if {"nixl-server", "nixl-accept", "nixl-conn"} <= (
+            names := _kernel_thread_names(server)) else None, message="the server's threads")
+        assert seen <= documented, (seen, documented)
+    finally:
+        scrape.close()
+    assert _kernel_thread_names(spare) == inventory["nobody's child"][0] | inventory["the spare"][0]
+    assert Path(f"/proc/{server}/comm").read_text().strip() == "nixl-server"
+    assert Path(f"/proc/{spare}/comm").read_text().strip() == "nixl-spare"
+    # The ranks: no thread of ours, by either name (the script's own recording thread is the host's).
+    assert inventory["a rank"] == (set(), set())  # what the document says of a rank: nothing of ours runs there
+    for rank in ranks:
+        rank.send("threads")
+        assert json.loads(rank.readline()) == []
+        assert not any(name.startswith("nixl") for name in _kernel_thread_names(rank.pid))
+
+
+def test_a_thread_mode_ranks_threads_of_ours_are_the_architecture_documents(tmp_dir: Path, reaper: Reaper) -> None:
+    kernel, python = _inventory()["thread mode only, in the rank that serves"]
+    port = free_port()
+    rank = _start(reaper, tmp_dir, port, rate=20, NIXL_PROMETHEUS_MP_SERVE="thread")
+    scrape = _keep_alive_scrape(port)
+    try:
+        ours = wait_until(lambda: found if {"nixl-accept", "nixl-conn"} <= (
+            found := {n for n in _kernel_thread_names(rank.pid) if n.startswith("nixl")}) else None,
+            message="the rank's serving threads")
+        assert ours <= kernel, (ours, kernel)
+        rank.send("threads")
+        names = {name.replace(str(port), "<port>") for name in json.loads(rank.readline())}
+        assert {"nixl-metrics-<port>", "nixl-metrics-<port>-conn"} <= names <= python, (names, python)
+    finally:
+        scrape.close()
 
 
 def test_the_servers_records_go_to_its_file_from_the_start_which_healthz_names(tmp_dir: Path,

@@ -45,7 +45,6 @@ import select
 import signal
 import socket
 import stat
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from app.health import OwnerWatch, health_warnings, owner_doc, replaced_warning
 from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch
 from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, process_state
 from app.server import serve_in_thread
+from app.threads import new_thread, set_os_name
 from app.web import MetricsApp
 from election import OwnerElection
 
@@ -69,7 +69,6 @@ STOP_LOOK_S = 1.0  # how often a spare asks the kernel whether its server is sto
 SPARE_RETRY_MIN_S, SPARE_RETRY_MAX_S = 0.5, 30.0  # between starts of a spare that keeps failing to start
 _SPARE_EXIT_WAIT_S = 5.0  # an exiting server waits this long for its spare's end (SIGKILLed: milliseconds)
 _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
-_PR_SET_NAME = 15  # <linux/prctl.h>
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>
 _PR_SET_SECUREBITS, _SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 28, 1 << 0, 1 << 1  # <linux/securebits.h>
@@ -108,7 +107,7 @@ def main(state_json: str) -> None:
         state = json.loads(state_json)
         args = ServerArgs.from_json(state["args"])
         spare = state["role"] == "spare"
-        _set_comm(SPARE_COMM if spare else SERVER_COMM)
+        set_os_name(SPARE_COMM if spare else SERVER_COMM)
         _log_to_file(args)
         problem = _drop_capabilities(args.directory)
         if problem is not None:
@@ -119,7 +118,7 @@ def main(state_json: str) -> None:
         lock_fd = state["lock_fd"]
         if spare:
             _wait_for_the_lock(lock_fd, int(state["server_pid"]), args.address)
-            _set_comm(SERVER_COMM)
+            set_os_name(SERVER_COMM)
             args = ServerArgs.from_json({**args.to_json(), "serving_since": time.time()})
         server = _Server(args, listener, lock_fd, tell_starter=not spare)
     except BaseException as exc:
@@ -147,12 +146,6 @@ def _done_telling_starter() -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, _STATUS_FD)
     os.close(null)
-
-
-def _set_comm(name: str) -> None:
-    """PR_SET_NAME: ``ps -e`` and /proc/PID/comm name the process, not "python" (nothing else changes)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode(), 0, 0, 0)
 
 
 class _LogFile(logging.handlers.RotatingFileHandler):
@@ -235,8 +228,7 @@ def _wait_for_the_lock(lock_fd: int, server_pid: int, address: str) -> None:
     _tell_starter(READY + str(os.getpid()))
     _done_telling_starter()
     if pidfd >= 0:
-        threading.Thread(target=_replace_if_stopped, args=(pidfd, server_pid, address), name="nixl-spare-watch",
-                         daemon=True).start()
+        new_thread(_replace_if_stopped, "nixl-spare-watch", "nixl-watch", (pidfd, server_pid, address)).start()
     fcntl.flock(lock_fd, fcntl.LOCK_EX)  # no GIL, no CPU: the kernel wakes us
     log.warning("the address server of %s (pid %d) is gone; its spare (pid %d) serves the address now",
                 address, server_pid, os.getpid())
