@@ -40,7 +40,8 @@ from support_forge import forge_store, store_bytes
 from support_nixl import nixl_required_fixture, start_cpp_ranks  # noqa: F401  (pytest fixture)
 from test_cli_input import one_line_error, run_module_as_nobody
 
-from app.cli.top import histogram_quantile, make_row, totals
+from app.cli.table import HEADER, Layout, fit_columns, shorten
+from app.cli.top import Frame, Row, histogram_quantile, make_row, render, totals
 from app.collector import RankView
 from store import DEFAULT_BUCKETS_US, EventType
 from store import layout as L
@@ -248,6 +249,79 @@ def test_totals_merge_histograms_only_across_one_set_of_bounds() -> None:
     assert doc["xfer_time_p50_us"] == 10.0
     other = make_row(RankView(snapshot({}, {0: 1}, bounds=(7.0,)), True, 0.0, None), snapshot({}, {}, (7.0,)), 1.0)
     assert totals([a, other])["xfer_time_p99_us"] is None
+
+
+# -- the table at any width ----------------------------------------------------------------------------------
+
+KEY_COLUMNS = ("AGENT", "PID", "P50", "P99", "ERRORS")
+MAX_PID = 4194303  # pid_max's ceiling on Linux: the widest a PID cell gets
+
+
+def layout_row(agent: str, pid: int, departed: bool = False) -> Row:
+    return Row("s", agent, pid, 0, "12", "h", "departed" if departed else "live", 600.0 if departed else None, 0.0,
+               1.07e9, 9.91e8, 105.0, 90.0, 91.0, 6750.0, 12, None, DEFAULT_BUCKETS_US)
+
+
+def fitted_columns(text: str) -> list[str]:
+    """A header line's column names (two of them hold a space)."""
+    return re.findall(r"AGE\(s\)|[TR]X B/s|[TR]X REQ/s|\S+", text)
+
+
+def test_fit_columns_hides_the_least_important_first_then_shortens_agent() -> None:
+    # The widths of a typical table: a 16-character agent name, a 7-digit pid, "departed 600s", figures.
+    widths = [16, 7, 4, 4, 13, 6, 6, 6, 8, 8, 4, 6, 6]
+    full = fit_columns(widths, None)
+    assert full.hidden == [] and full.width(widths) == sum(widths) + 2 * 12
+    assert fit_columns(widths, full.width(widths)) == full
+    previous: list[str] = []
+    for width in range(full.width(widths), 34, -1):
+        layout = fit_columns(widths, width)
+        shown = [HEADER[i] for i in layout.columns]
+        assert layout.width(widths) <= width and set(KEY_COLUMNS) <= set(shown), (width, layout)
+        assert shown == [name for name in HEADER if name not in layout.hidden]  # in the table's order
+        assert layout.hidden[:len(previous)] == previous, width  # once hidden, hidden at every narrower width
+        previous = layout.hidden
+        if layout.agent_width < 16:  # the last resort: every other column has gone, and the gaps narrowed
+            assert shown == list(KEY_COLUMNS) and layout.gap == 1, width
+    assert fit_columns(widths, 79).hidden == ["INST", "AGE(s)", "RX REQ/s", "TX REQ/s", "RANK"]
+    assert [HEADER[i] for i in fit_columns(widths, 62).columns] == [*KEY_COLUMNS[:2], "STATE", *KEY_COLUMNS[2:]]
+    assert fit_columns(widths, 61).columns == tuple(HEADER.index(name) for name in KEY_COLUMNS)
+    # 40 columns: the key columns one space apart, and what is left for the agent's name.
+    assert fit_columns(widths, 39) == Layout(tuple(HEADER.index(name) for name in KEY_COLUMNS), 39 - 23 - 4, 1)
+    narrowest = fit_columns(widths, 10)  # too narrow for the key columns: AGENT stops at its heading's width
+    assert narrowest.agent_width == len("AGENT") and [HEADER[i] for i in narrowest.columns] == list(KEY_COLUMNS)
+
+
+def test_shorten_keeps_both_ends_of_a_name() -> None:
+    assert shorten("prefill-worker-07", 17) == "prefill-worker-07"
+    assert shorten("prefill-worker-07", 9) == "pref~r-07"
+    assert shorten("prefill-worker-07", 6) == "pre~07"
+    assert len(shorten("prefill-worker-07", 5)) == 5 and shorten("ab", 1) == "a"
+
+
+def test_render_keeps_the_key_columns_at_every_width_from_40() -> None:
+    names = ("demo-agent-0", "prefill-worker-node-07-rank-12", "d")
+    rows = [layout_row(names[0], 2097), layout_row(names[1], MAX_PID, departed=True), layout_row(names[2], 7)]
+    frame = Frame(Path("/run/nixl_metrics"), rows, 1.0, ["a warning that is longer than the narrowest view"], None,
+                  ttl="TTL 600 s (the owner's, on 0.0.0.0:9090)")
+    for width in range(39, 180):  # 40 columns and up: the live view leaves the last one blank
+        lines = [text for text, _ in render(frame, width=width)]
+        assert all(len(line) <= width for line in lines), (width, lines)
+        header = next(line for line in lines if line.startswith("AGENT"))
+        shown = fitted_columns(header)
+        assert shown[:2] == ["AGENT", "PID"] and shown[-3:] == ["P50", "P99", "ERRORS"], (width, header)
+        hidden = [name for name in HEADER if name not in shown]
+        assert (" ".join(" ".join(lines).split()).count("hidden at this width: " + ", ".join(
+            name for name in ("INST", "AGE(s)", "RX REQ/s", "TX REQ/s", "RANK", "RX B/s", "TX B/s", "STATE")
+            if name in hidden)) == 1) == bool(hidden), (width, lines)
+        for row in rows:
+            cells = next(line for line in lines if line.split()[1:2] == [str(row.pid)]).split()
+            assert cells[-3:] == ["91us", "6.75ms", "12"], (width, cells)
+            assert cells[0] == shorten(row.agent_name, len(cells[0])), (width, cells)
+            assert len(cells[0]) >= min(len(row.agent_name), len("AGENT")), (width, cells)
+    assert "STATE" in next(text for text, _ in render(frame, width=79) if text.startswith("AGENT"))
+    wide = [text for text, _ in render(frame, width=None)]
+    assert fitted_columns(wide[1]) == list(HEADER) and not any(line.startswith("hidden") for line in wide)
 
 
 # -- an onlooker: the directory is left as it was ----------------------------------------------------------
@@ -470,3 +544,42 @@ def test_live_view_of_an_empty_directory_says_why(tmp_dir: Path, tmux_window: Ca
     window.tmux("send-keys", "-t", "top", "q")
     window.wait_for(lambda s: "QUIT=0" in s, "q did not quit")
     assert os.listdir(tmp_dir) == []  # looking never creates anything (no owner lock file)
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80])
+def test_live_view_keeps_the_key_columns_in_a_narrow_terminal(columns: int, tmp_dir: Path, reaper: Reaper,
+                                                              tmux_window: Callable[..., Tmux]) -> None:
+    live = start_paced_rank(reaper, tmp_dir, free_port(), "prefill-worker-07", "0", 50, 4096, "tx", error_every=5)
+    # The widest cells a row has: a 7-digit pid, and a departed rank's state with its time left.
+    forge_store(tmp_dir, pid=MAX_PID, agent_name="decode-worker-3", local_rank="3")
+    window = tmux_window(f"{shlex.quote(sys.executable)} -m app top {shlex.quote(str(tmp_dir))} --interval 0.5",
+                         columns, 30)
+
+    def row_of(lines: list[str], pid: int) -> list[str]:
+        return next((line.split() for line in lines if line.split()[1:2] == [str(pid)]), [])
+
+    def figures_drawn(screen: str) -> bool:
+        lines = screen.splitlines()
+        cells = row_of(lines, live.pid)
+        return "waiting for a second read" not in " ".join(screen.split()) and len(cells) > 2 and \
+            cells[-2] != "-" and bool(row_of(lines, MAX_PID))
+
+    screen = window.wait_for(figures_drawn, f"at {columns} columns, the ranks' figures were never drawn")
+    lines = screen.splitlines()
+    assert all(len(line) <= columns for line in lines), screen
+    header = fitted_columns(next(line for line in lines if line.startswith("AGENT")))
+    assert header[:2] == ["AGENT", "PID"] and header[-3:] == ["P50", "P99", "ERRORS"], screen
+    for pid, agent in ((live.pid, "prefill-worker-07"), (MAX_PID, "decode-worker-3")):
+        cells = row_of(lines, pid)  # one line each, whole: its agent first, its errors last
+        assert cells[0] == shorten(agent, len(cells[0])) and len(cells[0]) >= len("AGENT"), screen
+        assert cells[-1].isdigit() and len(cells) == len(header) + ("departed" in cells), screen
+    assert "Traceback" not in screen
+    words = " ".join(screen.split())
+    if columns == 80:  # the state and both byte rates fit beside the key columns (the rank would need 6 more)
+        assert header == ["AGENT", "PID", "STATE", "TX B/s", "RX B/s", "P50", "P99", "ERRORS"], screen
+        assert "hidden at this width: INST, AGE(s), RX REQ/s, TX REQ/s, RANK (widen the terminal" in words, screen
+    else:
+        assert header == list(KEY_COLUMNS), screen
+        assert "hidden at this width: INST, AGE(s), RX REQ/s, TX REQ/s, RANK, RX B/s, TX B/s, STATE" in words, screen
+    if columns == 40:
+        assert row_of(lines, live.pid)[0] != "prefill-worker-07", screen  # shortened rather than a column dropped

@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +41,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from app.cli.common import CliError, stale_ttl_of
+from app.cli.table import HEADER, align, wrap
 from app.collector import Collector, RankView
 from app.config import DIR_ENV
 from store import EventType
@@ -265,11 +265,6 @@ def _duration_us(us: float | None) -> str:
     return f"{us / 1_000_000:.3g}s"
 
 
-HEADER = ("AGENT", "PID", "INST", "RANK", "STATE", "AGE(s)", "TX B/s", "RX B/s", "TX REQ/s", "RX REQ/s",
-          "P50", "P99", "ERRORS")
-_LEFT = 5  # the first five columns are left-aligned words, the rest right-aligned figures
-
-
 def _cells(row: Row) -> tuple[str, ...]:
     state = row.state if row.ttl_left_s is None else f"{row.state} {row.ttl_left_s:.0f}s"
     return (row.agent_name, str(row.pid), str(row.agent_instance), row.local_rank or "-", state,
@@ -284,26 +279,6 @@ def _total_cells(doc: dict[str, Any]) -> tuple[str, ...]:
             _duration_us(doc["xfer_time_p99_us"]), "-" if doc["errors"] is None else str(doc["errors"]))
 
 
-# Dropped in this order where the terminal is too narrow for the whole table (the identity, the state and the
-# figures an operator watches stay): the hidden ones are named on a line of their own.
-_NARROW_DROPS = ("INST", "AGE(s)", "RX REQ/s", "TX REQ/s", "RANK", "RX B/s")
-
-
-def _align(table: list[tuple[str, ...]], width: int | None = None) -> tuple[list[str], list[str]]:
-    """The table's lines, and the columns hidden to fit ``width`` characters (None: no limit)."""
-    columns = list(range(len(HEADER)))
-    widths = [max(len(r[i]) for r in table) for i in columns]
-    hidden: list[str] = []
-    for name in _NARROW_DROPS:
-        if width is None or sum(widths[i] for i in columns) + 2 * (len(columns) - 1) <= width:
-            break
-        columns.remove(HEADER.index(name))
-        hidden.append(name)
-    lines = ["  ".join(r[i].ljust(widths[i]) if i < _LEFT else r[i].rjust(widths[i]) for i in columns).rstrip()
-             for r in table]
-    return lines, hidden
-
-
 # Styles of render()'s lines, for the live view's attributes.
 TITLE, HEADING, ROW, DEPARTED, ERRORS, TOTAL, NOTE = range(7)
 
@@ -312,7 +287,8 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False,
            width: int | None = None) -> list[tuple[str, int]]:
     """The view as (text, style) lines: a title, the table with its totals line, then the warnings.
 
-    ``width``: the terminal's; columns that do not fit are hidden, and named on a line of their own.
+    ``width``: the terminal's; no line is longer.  Columns that do not fit are hidden (AGENT, PID, P50, P99 and
+    ERRORS never: long agent names are shortened instead), and named on a line of their own.
     """
     rows = sort_rows(frame.rows, sort, reverse)
     live = sum(r.state == "live" for r in rows)
@@ -323,7 +299,7 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False,
     if frame.problem:
         return [*lines, *wrap(frame.problem, NOTE, width)]
     table = [HEADER, *map(_cells, rows), _total_cells(totals(rows))]
-    text, hidden = _align(table, width)
+    text, hidden = align(table, width)
     lines.append((text[0], HEADING))
     lines += [(line, DEPARTED if r.state != "live" else ERRORS if r.errors else ROW)
               for line, r in zip(text[1:-1], rows, strict=True)]
@@ -331,13 +307,6 @@ def render(frame: Frame, sort: str = "rank", reverse: bool = False,
     if hidden:
         lines += wrap(f"hidden at this width: {', '.join(hidden)} (widen the terminal to see them)", NOTE, width)
     return lines + [line for w in frame.warnings for line in wrap(f"warning: {w}", NOTE, width)]
-
-
-def wrap(text: str, style: int, width: int | None) -> list[tuple[str, int]]:
-    """``text`` as lines of ``width`` at most, broken between words (a cut word reads as another word)."""
-    if width is None or len(text) <= width:
-        return [(text, style)]
-    return [(line, style) for line in textwrap.wrap(text, max(width, 1), break_on_hyphens=False)]
 
 
 # -- the command --------------------------------------------------------------
