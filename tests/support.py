@@ -1,22 +1,28 @@
-"""Helpers for multi-process tests: ports, rank processes, bounded waits, HTTP, exposition parsing, reaping.
+"""Helpers for multi-process tests: ports, processes, bounded waits, HTTP, exposition parsing, reaping.
 
-Import from a test module with ``from support import ...`` (pytest puts ``tests/`` on ``sys.path``). The
-``reaper`` and ``make_exporter`` fixtures are made available by importing their definitions into the test
-module, then requested by name as usual::
+The one home of ``free_port``, ``wait_until``, ``http_get`` and ``Reaper`` (support_e2e.py keeps what only the
+end-to-end tests need, and imports these from here). Import from a test module with ``from support import ...``
+(pytest puts ``tests/`` on ``sys.path``). The ``reaper`` and ``make_exporter`` fixtures are made available by
+importing their definitions into the test module, then requested by name as usual::
 
     from support import make_exporter_fixture, reaper_fixture  # noqa: F401  (pytest fixtures)
 
-Everything here is bounded: every wait has a deadline, every process started through a ``Reaper`` is
-SIGKILLed and waited for when the ``Reaper`` closes, whatever the test did.
+A test that wants processes reaped before it goes on uses ``with Reaper() as r:`` instead.
+
+Everything here is bounded: every wait has a deadline, every process started through a ``Reaper`` (a rank,
+``Reaper.start``; a command in a process group of its own, ``Reaper.spawn``) is SIGKILLed -- its whole process
+group where it leads one -- and waited for when the ``Reaper`` closes, whatever the test did.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gzip
 import json
 import os
 import queue
+import shlex
 import shutil
 import signal
 import socket
@@ -119,9 +125,10 @@ def open_fds(pid: int | str = "self") -> dict[int, str]:
     return out
 
 
-def wait_until(condition: Callable[[], T], timeout: float = DEADLINE_S, interval: float = 0.02,
-               message: str = "condition") -> T:
-    """Call ``condition`` until it returns something truthy (returned); AssertionError after ``timeout`` s.
+def wait_until(condition: Callable[[], T | None], timeout: float = DEADLINE_S,
+               message: str | Callable[[], str] = "condition", *, interval: float = 0.02) -> T:
+    """Call ``condition`` until it returns something truthy (returned); AssertionError after ``timeout`` s naming
+    ``message`` (a callable is called only then, to describe the state at that time).
 
     Exceptions raised by ``condition`` count as "not yet" (the last one is reported on timeout).
     """
@@ -137,7 +144,8 @@ def wait_until(condition: Callable[[], T], timeout: float = DEADLINE_S, interval
                 return value
         if time.monotonic() >= deadline:
             detail = f" (last error: {last_exc!r})" if last_exc is not None else ""
-            raise AssertionError(f"timed out after {timeout} s waiting for {message}{detail}")
+            what = message() if callable(message) else message
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{detail}")
         time.sleep(interval)
 
 
@@ -183,7 +191,16 @@ def http_request(url: str, method: str = "GET", headers: Mapping[str, str] | Non
 
 
 def http_get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> HttpResponse:
+    """GET ``url`` (never through a proxy); 4xx/5xx are returned, not raised."""
     return http_request(url, "GET", headers, timeout)
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    """GET ``url``'s JSON document; fails the test unless 200."""
+    response = http_get(url, timeout=timeout)
+    if response.status != 200:
+        raise AssertionError(f"GET {url}: HTTP {response.status}: {response.body[:300]!r}")
+    return response.json()
 
 
 def metrics_url(port: int, path: str = "/metrics") -> str:
@@ -281,11 +298,33 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def kill_process(popen: subprocess.Popen[Any], leads_group: bool, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group ``popen`` leads (what it started too: gunicorn's workers, the demo's
+    ranks) if it leads one, else to the process alone while it is not reaped (its pid is not reused before)."""
+    if leads_group:
+        # (A group outlives its leader's reaping while a member lives, and its id is not reused before.)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(popen.pid, sig)
+    elif popen.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(popen.pid, sig)
+
+
+def kill_and_reap(popen: subprocess.Popen[Any], leads_group: bool, timeout: float = DEADLINE_S) -> int:
+    """SIGKILL the process (its group where it leads one, ``kill_process``) and wait for it, bounded; its exit
+    status."""
+    kill_process(popen, leads_group)
+    return popen.wait(timeout=timeout)
+
+
 class RankProcess:
     """A Python subprocess speaking lines: ``send`` writes stdin, ``readline`` reads stdout (bounded).
 
-    stderr goes to a file (never a pipe that could fill up), read back with ``stderr_text``.
+    stderr goes to a file (never a pipe that could fill up), read back with ``stderr_text``. It stays in the test's
+    process group (``leads_group`` False): killing it kills it alone.
     """
+
+    leads_group = False
 
     def __init__(self, script: str, env: Mapping[str, str], args: tuple[str, ...] = ()) -> None:
         self._stderr = tempfile.TemporaryFile()  # closed in close()
@@ -296,6 +335,10 @@ class RankProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read_stdout, name=f"rank-{self.pid}-stdout", daemon=True)
         self._reader.start()
+
+    @property
+    def popen(self) -> subprocess.Popen[str]:
+        return self.proc
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
@@ -332,10 +375,7 @@ class RankProcess:
 
     def kill(self) -> None:
         """SIGKILL (if still running) and wait; the exit status is in ``proc.returncode``."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        self.proc.wait(timeout=DEADLINE_S)
+        kill_and_reap(self.proc, self.leads_group)
 
     def close(self) -> None:
         self.kill()
@@ -347,29 +387,115 @@ class RankProcess:
         self._stderr.close()
 
 
+class Proc:
+    """A command-line process in a session (so a process group) of its own, its stdout and stderr (one pipe)
+    collected line by line by a thread; killing it kills its group (``leads_group`` True)."""
+
+    leads_group = True
+
+    def __init__(self, args: list[str], env: Mapping[str, str], cwd: Path = PROJECT_ROOT, stdin: bool = False) -> None:
+        self.args = args
+        self.popen = subprocess.Popen(args, env=dict(env), cwd=cwd, start_new_session=True, text=True,
+                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name=f"proc-{self.pid}-output", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        with contextlib.suppress(ValueError, OSError):
+            for line in self.popen.stdout:
+                with self._cond:
+                    self.lines.append(line.rstrip("\n"))
+                    self._cond.notify_all()
+
+    def wait_line(self, predicate: Callable[[str], bool], timeout: float) -> str:
+        """The first output line (so far or to come) satisfying ``predicate``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    if predicate(line):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{shlex.join(self.args)[:120]}: no matching line within {timeout} s "
+                                         f"(exit status {self.popen.poll()}); output:\n" + self.output)
+                self._cond.wait(min(left, 0.1))
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def release(self) -> None:
+        """Let a gated rank (``support_e2e.spawn_rank(..., gated=True)``) start recording."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.write("go\n")
+        self.popen.stdin.flush()
+
+    def killpg(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process group (the process and what it started)."""
+        kill_process(self.popen, self.leads_group, sig)
+
+    def stop(self, timeout: float = 5.0) -> int:
+        """SIGTERM the group, SIGKILL whatever is left of it after ``timeout`` s (gunicorn's workers, ...), reap
+        (bounded): the exit status."""
+        if self.popen.poll() is None:
+            self.killpg(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=timeout)
+        return self.close()
+
+    def close(self) -> int:
+        """SIGKILL the group and reap (bounded); the exit status."""
+        returncode = kill_and_reap(self.popen, self.leads_group)
+        self._reader.join(timeout=DEADLINE_S)
+        with contextlib.suppress(OSError, ValueError):
+            if self.popen.stdin is not None:
+                self.popen.stdin.close()
+        if not self._reader.is_alive():  # (else a process outside the group holds the pipe: the reader reads on)
+            self.popen.stdout.close()  # type: ignore[union-attr]
+        return returncode
+
+
 class Reaper:
-    """Owns every process started through it: ``close()`` SIGKILLs and waits for each one, always."""
+    """Owns every process started through it, a rank (``start``) or a command in its own process group
+    (``spawn``): ``close()`` SIGKILLs them all -- the process group of those leading one -- then waits for each
+    (bounded), always."""
 
     def __init__(self) -> None:
-        self._ranks: list[RankProcess] = []
+        self._processes: list[RankProcess | Proc] = []
 
     def start(self, script: str, env: Mapping[str, str], args: tuple[str, ...] = ()) -> RankProcess:
+        """``python -c script *args`` with exactly ``env`` (``start_rank`` builds it from the test's)."""
         rank = RankProcess(script, env, args)
-        self._ranks.append(rank)
+        self._processes.append(rank)
         return rank
 
+    def spawn(self, args: list[str], env: Mapping[str, str], cwd: Path = PROJECT_ROOT, stdin: bool = False) -> Proc:
+        """The command ``args`` with exactly ``env``, in a process group of its own (``stdin``: a pipe, else
+        /dev/null)."""
+        proc = Proc(args, env, cwd, stdin)
+        self._processes.append(proc)
+        return proc
+
     def close(self) -> None:
+        processes, self._processes = self._processes, []
+        for process in processes:  # all at once: none waits for another's end
+            kill_process(process.popen, process.leads_group)
         errors = []
-        for rank in self._ranks:
-            if rank.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(rank.pid, signal.SIGKILL)
-        for rank in self._ranks:
+        for process in processes:
             try:
-                rank.close()
+                process.close()
             except Exception as exc:  # keep reaping the others
                 errors.append(exc)
-        self._ranks.clear()
         if errors:
             raise errors[0]
 
@@ -378,6 +504,45 @@ class Reaper:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def lock_is_free(path: Path) -> bool:
+    """Whether a new open file description can take the flock on ``path`` right now (what another rank would do:
+    flock conflicts between open file descriptions, in one process or not)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still exist as processes (zombies of ours count as gone)."""
+    return [pid for pid in pids if process_state(pid) not in (None, "Z", "X")]
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter (R, S, T, Z, ...), or None once it is gone (reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def parent_of(pid: int) -> int | None:
+    """The process's parent pid, or None once it is gone (reaped)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes, zombies included (every process of /proc whose parent it is)."""
+    return [int(entry) for entry in filter(str.isdigit, os.listdir("/proc")) if parent_of(int(entry)) == pid]
 
 
 @pytest.fixture(name="reaper")

@@ -1,37 +1,27 @@
-"""Helpers for the process-level tests (CLI, gunicorn, real Prometheus, deploy/).
+"""What the process-level tests (CLI, gunicorn, real Prometheus, deploy/) have of their own: the values their
+ranks record (RANK_CODE, ``expected``), a rank's environment, the Procfile's and the docs' commands.
 
-Everything here binds loopback only, waits with a deadline, and reaps what
-it starts: every child gets its own session (process group), and
-``Reaper`` SIGKILLs the whole group on the way out, whatever happened.
+Ports, processes, waits, HTTP and reaping are support.py's (``free_port``, ``wait_until``, ``http_get``,
+``Reaper``...): every process is started through a ``support.Reaper``, in a session (process group) of its own
+(``Reaper.spawn``), and its whole group is SIGKILLed and reaped on the way out, whatever happened.
 """
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 import os
 import re
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
-from support import open_direct
+from support import PROJECT_ROOT, Proc, Reaper, children_of, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = PROJECT_ROOT
 DEPLOY = REPO / "deploy"  # the configurations operators are given, tested as shipped
 VENV_BIN = Path(sys.executable).parent  # gunicorn, promtool-free tools of this interpreter
-T = TypeVar("T")
 
 # What a test rank records (see RANK_CODE): deterministic per local rank.
 XFER_US = (30, 300, 3000)  # one value per rank (mod 3), each inside one default bucket
@@ -96,53 +86,6 @@ with Exporter(name) as exp:
 """
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(probe: Callable[[], T | None], timeout: float, what: str | Callable[[], str],
-               interval: float = 0.05) -> T:
-    """Poll ``probe`` until it returns something truthy; fail naming ``what`` after ``timeout`` s.
-
-    ``what`` may be a callable, evaluated only on failure (to describe the state then).
-    """
-    deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
-    while True:
-        try:
-            value = probe()
-            if value:
-                return value
-        except (OSError, ValueError, KeyError, AssertionError, http.client.HTTPException) as exc:
-            last_error = exc  # (HTTPException: a server that went away mid-answer, IncompleteRead)
-        if time.monotonic() > deadline:
-            if callable(what):
-                what = what()
-            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last error: {last_error!r})")
-        time.sleep(interval)
-
-
-def http_get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> tuple[int, dict[str, str],
-                                                                                                 bytes]:
-    """(status, headers, body), never through a proxy; HTTP errors are returned, not raised."""
-    request = urllib.request.Request(url, headers=dict(headers or {}))
-    try:
-        with open_direct(request, timeout) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
-
-
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    status, _, body = http_get(url, timeout=timeout)
-    if status != 200:
-        raise AssertionError(f"GET {url}: HTTP {status}: {body[:300]!r}")
-    return json.loads(body)
-
-
 def parse_text(body: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Prometheus text 0.0.4 -> {(sample name, labels): value}."""
     out = {}
@@ -178,116 +121,16 @@ def rank_env(directory: Path, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
-class Proc:
-    """A child in its own process group, its output collected by a thread."""
-
-    def __init__(self, args: list[str], env: Mapping[str, str], cwd: Path = REPO, stdin: bool = False) -> None:
-        self.args = args
-        self.popen = subprocess.Popen(args, env=dict(env), cwd=cwd, start_new_session=True, text=True,
-                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-
-    def wait_line(self, predicate: Callable[[str], bool], timeout: float) -> str:
-        """The first output line (so far or to come) satisfying ``predicate``."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for line in self.lines:
-                    if predicate(line):
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
-                    raise AssertionError(f"{shlex.join(self.args)[:120]}: no matching line within {timeout} s "
-                                         f"(exit status {self.popen.poll()}); output:\n" + self.output)
-                self._cond.wait(min(left, 0.1))
-
-    @property
-    def output(self) -> str:
-        with self._cond:
-            return "\n".join(self.lines)
-
-    def release(self) -> None:
-        """Let a gated rank (``Reaper.rank(..., gated=True)``) start recording."""
-        assert self.popen.stdin is not None
-        self.popen.stdin.write("go\n")
-        self.popen.stdin.flush()
-
-    def killpg(self, sig: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
-
-    def stop(self, timeout: float = 5.0) -> int:
-        """SIGTERM the group, SIGKILL it after ``timeout``; always reaps."""
-        if self.popen.poll() is None:
-            self.killpg(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self.killpg(signal.SIGKILL)  # whatever of the group is left (gunicorn workers, ...)
-        self.popen.wait(timeout=10)
-        self._reader.join(timeout=5)
-        return self.popen.returncode
-
-
-class Reaper:
-    """Starts children and guarantees they, and their process groups, are gone afterwards."""
-
-    def __init__(self) -> None:
-        self.procs: list[Proc] = []
-
-    def start(self, args: list[str], env: Mapping[str, str], cwd: Path = REPO, stdin: bool = False) -> Proc:
-        proc = Proc(args, env, cwd, stdin)
-        self.procs.append(proc)
-        return proc
-
-    def rank(self, directory: Path, port: int, rank: int, name: str | None = None, gated: bool = False,
-             **extra: str) -> Proc:
-        """A RANK_CODE rank; wait for it with ``wait_ready``. ``gated``: its interpreter started and the library
-        imported, it waits for ``Proc.release()`` to start recording (a start without the interpreter's)."""
-        env = rank_env(directory, port, LOCAL_RANK=str(rank), **extra)
-        xfer = XFER_US[rank % len(XFER_US)]
-        code = f"import sys, app\nsys.stdin.readline()\n{RANK_CODE}" if gated else RANK_CODE
-        return self.start([sys.executable, "-c", code, name or f"agent-{rank}", str(rank), str(xfer),
-                           str(XFER_COUNT)], env, stdin=True)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.popen.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.popen.stdin.close()
-        for proc in reversed(self.procs):
-            proc.stop()
-
-    def __enter__(self) -> Reaper:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@contextlib.contextmanager
-def reaper() -> Iterator[Reaper]:
-    r = Reaper()
-    try:
-        yield r
-    finally:
-        r.close()
+def spawn_rank(r: Reaper, directory: Path, port: int, rank: int, name: str | None = None, gated: bool = False,
+               **extra: str) -> Proc:
+    """A RANK_CODE rank started through ``r`` (in a process group of its own); wait for it with ``wait_ready``.
+    ``gated``: its interpreter started and the library imported, it waits for ``Proc.release()`` to start
+    recording (a start without the interpreter's)."""
+    env = rank_env(directory, port, LOCAL_RANK=str(rank), **extra)
+    xfer = XFER_US[rank % len(XFER_US)]
+    code = f"import sys, app\nsys.stdin.readline()\n{RANK_CODE}" if gated else RANK_CODE
+    return r.spawn([sys.executable, "-c", code, name or f"agent-{rank}", str(rank), str(xfer), str(XFER_COUNT)], env,
+                   stdin=True)
 
 
 def wait_ready(rank: Proc, timeout: float = 15.0) -> bool:
@@ -313,37 +156,23 @@ def shell_commands(markdown: str, heading: str) -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
-def lock_is_free(path: Path) -> bool:
-    """Whether a separate process could take the flock on ``path`` right now."""
-    code = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
-            "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=30)
-    if done.returncode not in (0, 3):
-        raise AssertionError(f"lock probe failed: {done.stderr}")
-    return done.returncode == 0
+def kubelet_stop(containers: Sequence[Proc], sidecars: Sequence[Proc] = (), timeout: float = 60.0) -> None:
+    """A pod's end, in the kubelet's order: SIGTERM to every app container at once, each one's exit awaited
+    (exit status 0), then to the sidecars, the last started first, each awaited in turn.
 
+    A container here is a process started as ``unshare --pid --fork ... COMMAND``: the runtime signals the
+    namespace's first process (the child ``unshare`` forked), not ``unshare``; any other process is signalled
+    itself.  ``timeout``: how long each may take (a sidecar drains up to the TTL).
+    """
+    def first_process(proc: Proc) -> int:
+        if proc.popen.args[0] != "unshare":
+            return proc.pid
+        return wait_until(lambda: next(iter(children_of(proc.pid)), None), message="the container's first process")
 
-def pids_alive(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that still exist as processes (zombies of ours count as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc)."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    out: list[int] = []
-    for tid in tasks:
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-    return out
+    for proc in containers:
+        os.kill(first_process(proc), signal.SIGTERM)
+    for proc in containers:
+        assert proc.popen.wait(timeout) == 0, proc.output
+    for proc in reversed(sidecars):
+        os.kill(first_process(proc), signal.SIGTERM)
+        assert proc.popen.wait(timeout) == 0, proc.output

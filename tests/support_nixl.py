@@ -4,8 +4,8 @@ The plug-in comes from the public ``nixl-cu12`` wheel (``pip install --no-deps n
 runs on CPU. A *C++ rank* here is a subprocess running two agents of ``examples/cpp_agents.py`` (``<name>-tx``
 WRITEs into ``<name>-rx`` over UCX) and obeying JSON commands on stdin, one JSON answer per command on stdout,
 each answer being what the process did so far. It is started through a ``support.Reaper`` (SIGKILLed and waited
-for at teardown); it has no children. The aggregator is the Procfile's ``web:`` command, started through a
-``support_e2e.Reaper`` (its whole process group is killed at teardown).
+for at teardown); it has no children. The aggregator is the Procfile's ``web:`` command, started through one
+too, ``Reaper.spawn`` (in a process group of its own, killed whole at teardown).
 
 Without the wheel the tests using ``nixl_required`` skip, saying why; with ``NIXL_INTEROP_REQUIRED=1`` (set by
 ``.ci/run``) they fail instead, so CI never passes without having run them.
@@ -30,6 +30,7 @@ import support_e2e
 from support import (
     DEADLINE_S,
     START_DEADLINE_S,
+    Proc,
     RankProcess,
     Reaper,
     SeriesKey,
@@ -270,8 +271,8 @@ def aggregator_command() -> list[str]:
     return support_e2e.procfile_web_command()
 
 
-def start_aggregator(reaper: support_e2e.Reaper, directory: Path, port: int,
-                     wait: bool = True) -> support_e2e.Proc:
+def start_aggregator(reaper: Reaper, directory: Path, port: int,
+                     wait: bool = True) -> Proc:
     """The aggregator over ``directory`` on 127.0.0.1:port, one worker.
 
     With ``wait`` it returns once the aggregator answers /healthz; without, at once (it may be waiting for
@@ -279,7 +280,7 @@ def start_aggregator(reaper: support_e2e.Reaper, directory: Path, port: int,
     """
     env = support_e2e.rank_env(directory, port, GUNICORN_WORKERS="1", GUNICORN_THREADS="2",
                                NIXL_TELEMETRY_MP_STALE_TTL=str(STALE_TTL_S))
-    proc = reaper.start(aggregator_command(), env)
+    proc = reaper.spawn(aggregator_command(), env)
     if wait:
         wait_until(lambda: http_get(metrics_url(port, "/healthz"), timeout=2).status == 200, START_DEADLINE_S,
                    message=f"the aggregator to answer on port {port}")

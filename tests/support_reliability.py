@@ -20,7 +20,6 @@ Commands, one JSON object per line on stdin, one JSON answer per line on stdout:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import textwrap
@@ -280,18 +279,6 @@ def diff(expected: Mapping[SeriesKey, float], actual: Mapping[SeriesKey, float],
         if expected.get(key) != actual.get(key):
             lines.append(f"{key[0]}{dict(key[1])}: expected {expected.get(key)}, published {actual.get(key)}")
     return lines[:limit] + ([f"... {len(lines) - limit} more"] if len(lines) > limit else [])
-
-
-def lock_is_free(path: Path) -> bool:
-    """Whether a new open file description can take the flock (what another rank would do)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
 
 
 def vm_status(pid: int) -> dict[str, int]:

@@ -15,23 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import can_bind, listening_socket
-from support_e2e import (
-    REPO,
-    Proc,
-    Reaper,
-    by_rank,
-    children_of,
-    expected,
-    free_port,
-    get_json,
-    http_get,
-    parse_text,
-    rank_env,
-    reaper,
-    wait_ready,
-    wait_until,
-)
+from support import Proc, Reaper, can_bind, children_of, free_port, get_json, http_get, listening_socket, wait_until
+from support_e2e import REPO, by_rank, expected, parse_text, rank_env, spawn_rank, wait_ready
 
 from store import EventType, StoreIdentity, StoreWriter
 
@@ -64,12 +49,12 @@ def test_demo_serves_every_rank_then_exits_cleanly(tmp_path: Path) -> None:
     # their server still serving (and say so): a bound only a hang reaches (with 1 s, a loaded host missed it).
     env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="10")
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
-    with reaper() as r:
-        demo = r.start([*CLI, "demo", "--ranks", "3", "--port", str(port), "--duration", "3"], env)
+    with Reaper() as r:
+        demo = r.spawn([*CLI, "demo", "--ranks", "3", "--port", str(port), "--duration", "3"], env)
 
         def three_ranks() -> dict[str, float] | None:
-            status, _, body = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
-            ranks = by_rank(parse_text(body), "agent_tx_requests_num_total") if status == 200 else {}
+            response = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+            ranks = by_rank(parse_text(response.body), "agent_tx_requests_num_total") if response.status == 200 else {}
             return ranks if set(ranks) == {"0", "1", "2"} else None
 
         wait_until(three_ranks, 10, "/metrics to show the demo's three ranks")
@@ -130,7 +115,7 @@ def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int, int]:
     env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="1")
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     # cwd: where a core dump of a crashed rank would land
-    demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--port", str(port), "--duration", "8", "--rate", "50"],
+    demo = r.spawn([*CLI, "demo", "--ranks", str(ranks), "--port", str(port), "--duration", "8", "--rate", "50"],
                    env, cwd=tmp_path)
     line = demo.wait_line(lambda line: "ranks recording into" in line, 30)
     match = re.search(r"rank pid (\d+) started the server of ", line)
@@ -141,7 +126,7 @@ def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int, int]:
 def test_a_rank_the_user_kills_is_named_and_is_not_a_failure(tmp_path: Path) -> None:
     """``kill -9`` of the rank that started the server, as the README invites, ended the demo in "error: 1 demo
     rank(s) failed".  Nothing moves: the same address server serves on."""
-    with reaper() as r:
+    with Reaper() as r:
         demo, owner, port = timed_demo(r, tmp_path, ranks=3)
         server = get_json(f"http://127.0.0.1:{port}/healthz")["owner"]["server_pid"]
         os.kill(owner, signal.SIGKILL)
@@ -155,7 +140,7 @@ def test_a_rank_the_user_kills_is_named_and_is_not_a_failure(tmp_path: Path) -> 
 
 def test_an_address_server_the_user_kills_is_replaced_and_the_demo_carries_on(tmp_path: Path) -> None:
     """``kill -9`` of the address server, as the README invites: a rank starts another, the demo ends cleanly."""
-    with reaper() as r:
+    with Reaper() as r:
         demo, _, port = timed_demo(r, tmp_path, ranks=3)
         owner = get_json(f"http://127.0.0.1:{port}/healthz")["owner"]
         os.kill(owner["server_pid"], signal.SIGKILL)
@@ -173,7 +158,7 @@ def test_an_address_server_the_user_kills_is_replaced_and_the_demo_carries_on(tm
 
 
 def test_a_rank_that_crashes_fails_the_demo_naming_the_signal(tmp_path: Path) -> None:
-    with reaper() as r:
+    with Reaper() as r:
         demo, owner, _ = timed_demo(r, tmp_path, ranks=2)
         (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
         os.kill(victim, signal.SIGSEGV)  # what a crash in native code would end the rank with
@@ -187,8 +172,8 @@ def test_a_rank_that_crashes_fails_the_demo_naming_the_signal(tmp_path: Path) ->
 def test_a_crash_before_ctrl_c_still_fails_the_demo(tmp_path: Path) -> None:
     """The stop ends every rank; what ended before it is still reported, a crash as the demo's failure."""
     port = free_port()
-    with reaper() as r:
-        demo = r.start([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
+    with Reaper() as r:
+        demo = r.spawn([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
                        rank_env(tmp_path / "mp", port), cwd=tmp_path)
         owner = int(demo.wait_line(lambda line: "ranks recording into" in line, 30).split("rank pid ")[1].split()[0])
         (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
@@ -217,12 +202,12 @@ def test_unknown_command_is_one_line() -> None:
 
 def test_serve_aggregates_a_directory(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
-        serve = r.start([*CLI, "serve"], rank_env(directory, port))
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 15,
+    with Reaper() as r:
+        serve = r.spawn([*CLI, "serve"], rank_env(directory, port))
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 15,
                    "python -m app serve to answer /healthz")
         assert directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
-        ranks = [r.rank(directory, port, rank) for rank in range(2)]
+        ranks = [spawn_rank(r, directory, port, rank) for rank in range(2)]
         assert [wait_ready(rank) for rank in ranks] == [False, False]  # the aggregator holds the address
 
         health = get_json(f"http://127.0.0.1:{port}/healthz")
@@ -231,7 +216,7 @@ def test_serve_aggregates_a_directory(tmp_path: Path) -> None:
         assert health["owner"]["pid"] == serve.pid
         assert health["owner"]["election"] == "flock"
         assert sorted(rank["pid"] for rank in health["live"]) == sorted(rank.pid for rank in ranks)
-        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
+        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics").body)
         assert by_rank(samples, "agent_tx_bytes_total") == {str(i): expected(i)["agent_tx_bytes_total"]
                                                             for i in range(2)}
 
@@ -339,8 +324,8 @@ def test_aggregate_takes_gunicorn_options_only(extra: list[str]) -> None:
 def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the foreground group) stops the demo and its ranks, status 0, no traceback."""
     port = free_port()
-    with reaper() as r:
-        demo = r.start([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
+    with Reaper() as r:
+        demo = r.spawn([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
                        rank_env(tmp_path / "mp", port))
         wait_until(lambda: len(get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["live"]) == 2, 15,
                    "two demo ranks")

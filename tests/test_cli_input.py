@@ -19,8 +19,8 @@ import traceback
 from pathlib import Path
 
 import pytest
-from support import listening_socket
-from support_e2e import REPO, VENV_BIN, free_port, http_get, procfile_web_command, rank_env, reaper, wait_until
+from support import Reaper, free_port, http_get, listening_socket, wait_until
+from support_e2e import REPO, VENV_BIN, procfile_web_command, rank_env
 
 from store import EventType, StoreIdentity, StoreWriter
 
@@ -272,8 +272,8 @@ def test_demo_totals_never_go_back_when_a_departed_store_is_reaped(tmp_path: Pat
     # A TTL of several of the demo's 1 s progress lines: the departed store must be seen before it is reaped
     # (with 1 s, a loaded demo once drew its next line after the reaping, and never counted the store).
     env = demo_env(tmp_path, NIXL_TELEMETRY_MP_STALE_TTL="3")
-    with reaper() as r:
-        demo = r.start([*DEMO, "demo", "--ranks", "1", "--rate", "2", "--port", str(port),
+    with Reaper() as r:
+        demo = r.spawn([*DEMO, "demo", "--ranks", "1", "--rate", "2", "--port", str(port),
                         "--dir", str(directory)], env)
         demo.wait_line(lambda line: "ranks recording into" in line, 30)
         departed = StoreWriter(directory, StoreIdentity("departed", "host", "9", 0, (10.0,)))
@@ -345,8 +345,8 @@ def test_inspect_lists_names_that_only_look_like_a_store_apart_unopened(cli: lis
 ])
 def test_gunicorn_refuses_a_bad_setting_in_one_line(tmp_path: Path, name: str, value: str) -> None:
     env = rank_env(tmp_path / "mp", free_port(), **{name: value})
-    with reaper() as r:
-        proc = r.start(procfile_web_command(), env, cwd=REPO)
+    with Reaper() as r:
+        proc = r.spawn(procfile_web_command(), env, cwd=REPO)
         assert proc.popen.wait(timeout=30) != 0
     assert "Traceback" not in proc.output, proc.output
     lines = proc.output.strip().splitlines()

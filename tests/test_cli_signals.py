@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support_e2e import Proc, Reaper, children_of, free_port, http_get, pids_alive, rank_env, reaper, wait_until
+from support import Proc, Reaper, children_of, free_port, http_get, pids_alive, wait_until
+from support_e2e import rank_env
 
 # The demo's ranks serve through an address server, then from a thread.
 pytestmark = pytest.mark.usefixtures("serve_mode")
@@ -66,11 +67,11 @@ def test_a_rank_stops_on_every_signal(tmp_path: Path) -> None:
     """
     rng = random.Random(9)
     for batch in range(TRIALS // 4):
-        with reaper() as r:
+        with Reaper() as r:
             ranks = []
             for i in range(4):
                 directory = tmp_path / f"run{batch}.{i}"
-                ranks.append((r.start([*CLI, "_rank", "--name", f"agent-{i}", "--rate", "5000"],
+                ranks.append((r.spawn([*CLI, "_rank", "--name", f"agent-{i}", "--rate", "5000"],
                                       rank_env(directory, free_port())), directory))
             for _, directory in ranks:
                 wait_until(lambda d=directory: list(d.glob("nixl.*.mmap")), 30, "a rank's store")  # type: ignore[misc]
@@ -97,8 +98,8 @@ def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
     for trial in range(TRIALS):
         port = free_port()
         env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))
-        with reaper() as r:
-            demo = r.start([*CLI, "demo", "--ranks", "2", "--rate", "2000", "--port", str(port)], env)
+        with Reaper() as r:
+            demo = r.spawn([*CLI, "demo", "--ranks", "2", "--rate", "2000", "--port", str(port)], env)
             after_start = trial % 2 == 0
             if after_start:  # serving: the ranks are busy recording
                 demo.wait_line(lambda line: "ranks recording into" in line, 30)
@@ -124,7 +125,7 @@ def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
 def serving_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int]:
     """A demo of ``ranks`` ranks, its temporary directory in ``tmp_path``, once a rank serves; and its port."""
     port = free_port()
-    demo = r.start([*CLI, "demo", "--ranks", str(ranks), "--rate", "500", "--port", str(port)],
+    demo = r.spawn([*CLI, "demo", "--ranks", str(ranks), "--rate", "500", "--port", str(port)],
                    rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path)))
     demo.wait_line(lambda line: "ranks recording into" in line, 30)
     return demo, port
@@ -132,7 +133,7 @@ def serving_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int]:
 
 def test_ranks_die_with_a_demo_killed_outright(tmp_path: Path) -> None:
     """SIGKILL cannot be forwarded: the ranks asked the kernel to end them with their parent."""
-    with reaper() as r:
+    with Reaper() as r:
         demo, _ = serving_demo(r, tmp_path, ranks=3)
         ranks = children_of(demo.pid)
         assert len(ranks) == 3, ranks
@@ -144,8 +145,8 @@ def test_ranks_die_with_a_demo_killed_outright(tmp_path: Path) -> None:
 def test_serve_stops_on_sigterm_sigint_and_sighup(tmp_path: Path) -> None:
     for sig in [signal.SIGTERM, signal.SIGINT, signal.SIGHUP] * 2:
         port = free_port()
-        with reaper() as r:
-            serve = r.start([*CLI, "serve"], rank_env(tmp_path / "mp", port))
+        with Reaper() as r:
+            serve = r.spawn([*CLI, "serve"], rank_env(tmp_path / "mp", port))
             serve.wait_line(lambda line: "serving" in line, 30)
             os.kill(serve.pid, sig)
             assert serve.popen.wait(timeout=STOP_BOUND_S) == 0, serve.output
@@ -158,7 +159,7 @@ def demo_directories(tmp: Path) -> list[str]:
 
 def test_sighup_to_the_job_stops_the_demo_and_removes_its_directory(tmp_path: Path) -> None:
     """What a shell does to its jobs when its terminal closes; the default action left four stores and a lock."""
-    with reaper() as r:
+    with Reaper() as r:
         demo, port = serving_demo(r, tmp_path, ranks=4)
         assert len(demo_directories(tmp_path)) == 1
         demo.killpg(signal.SIGHUP)  # the demo and its ranks: one process group

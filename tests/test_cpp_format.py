@@ -124,8 +124,8 @@ def test_same_directory_same_samples_as_the_plugin(tmp_dir: Path, reaper) -> Non
         "NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus_mp",
         "NIXL_TELEMETRY_MULTIPROC_DIR": str(tmp_dir), "NIXL_TELEMETRY_PROMETHEUS_PORT": str(port),
         "NIXL_TELEMETRY_PROMETHEUS_LOCAL": "y", "NIXL_TELEMETRY_MP_STALE_TTL": "3600"})
-    wait_until(lambda: owner.readline(START_DEADLINE_S) == "ready", START_DEADLINE_S, 0,
-               "the C++ agent to start")  # NIXL logs to stdout before
+    wait_until(lambda: owner.readline(START_DEADLINE_S) == "ready", START_DEADLINE_S, "the C++ agent to start",
+               interval=0)  # NIXL logs to stdout before
     cpp_text = wait_until(lambda: http_get(metrics_url(port)).text, START_DEADLINE_S, message="the plug-in to serve")
     ours_text = Renderer().render(Collector(tmp_dir, 3600).collect().published).decode()
 

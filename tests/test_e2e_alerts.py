@@ -34,7 +34,8 @@ from typing import Any
 
 import pytest
 import yaml
-from support_e2e import DEPLOY, Reaper, free_port, get_json, http_get, reaper, wait_ready, wait_until
+from support import Reaper, free_port, get_json, http_get, wait_until
+from support_e2e import DEPLOY, spawn_rank, wait_ready
 from test_e2e_prometheus import PROMETHEUS, PROMTOOL, Prometheus, scrape_health, shipped_static_config
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
@@ -135,10 +136,10 @@ def start_alertmanager(r: Reaper, tmp: Path, webhook_url: str) -> str:
         "receivers": [{"name": "webhook", "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}],
     }))
     address = f"127.0.0.1:{free_port()}"
-    proc = r.start([ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp / 'data'}",
+    proc = r.spawn([ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp / 'data'}",
                     f"--web.listen-address={address}", "--cluster.listen-address=", "--log.level=warn"],
                    dict(os.environ), cwd=tmp)
-    wait_until(lambda: http_get(f"http://{address}/-/ready", timeout=1)[0] == 200, 30,
+    wait_until(lambda: http_get(f"http://{address}/-/ready", timeout=1).status == 200, 30,
                lambda: f"Alertmanager to be ready; its output:\n{proc.output}")
     return address
 
@@ -192,7 +193,7 @@ def test_a_crashed_rank_notifies_once_and_a_job_end_or_restart_not_at_all(tmp_pa
     port = free_port()
     target = f"127.0.0.1:{port}"
     ttl = {"NIXL_TELEMETRY_MP_STALE_TTL": str(TTL_S)}
-    with reaper() as r:
+    with Reaper() as r:
         alertmanager = start_alertmanager(r, tmp_path / "alertmanager", webhook.url)
         config = shipped_static_config([target])
         assert config["rule_files"] == ["nixl.rules.yml"] and "alerting" not in config, config
@@ -200,9 +201,9 @@ def test_a_crashed_rank_notifies_once_and_a_job_end_or_restart_not_at_all(tmp_pa
 
         # Job A, every rank ready before Prometheus starts (so no scrape can catch a rank between its store's
         # creation and its first values).
-        job_a = [r.rank(tmp_path / "a", port, 0, **ttl)]
+        job_a = [spawn_rank(r, tmp_path / "a", port, 0, **ttl)]
         assert wait_ready(job_a[0]) is True  # rank 0 started the address server
-        job_a += [r.rank(tmp_path / "a", port, rank, **ttl) for rank in (1, 2)]
+        job_a += [spawn_rank(r, tmp_path / "a", port, rank, **ttl) for rank in (1, 2)]
         assert [wait_ready(p) for p in job_a[1:]] == [False, False]
         pids_a = {str(p.pid) for p in job_a}
         prom = AlertingPrometheus(r, tmp_path / "prometheus", config=config, files={"nixl.rules.yml": scaled})
@@ -241,7 +242,7 @@ def test_a_crashed_rank_notifies_once_and_a_job_end_or_restart_not_at_all(tmp_pa
         # Job B's ranks, started now but recording only once released: the gap between the jobs is then the
         # library's start, not an interpreter's, which a loaded machine can stretch past the scaled `for` of
         # NixlMetricsEndpointDown (4 s).
-        job_b = [r.rank(tmp_path / "b", port, rank, gated=True, **ttl) for rank in (0, 1)]
+        job_b = [spawn_rank(r, tmp_path / "b", port, rank, gated=True, **ttl) for rank in (0, 1)]
 
         # (2) Job A ends normally: its ranks exit, and the address server leaves after the TTL.
         for proc in job_a[:2]:

@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 import yaml
-from support_e2e import DEPLOY, Proc, expected, free_port, get_json, http_get, reaper, wait_ready, wait_until
+from support import Proc, Reaper, free_port, get_json, http_get, wait_until
+from support_e2e import DEPLOY, expected, spawn_rank, wait_ready
 from test_deploy import dashboard, expand_grafana, job_variable
 from test_e2e_prometheus import PROMETHEUS, Prometheus, QueryApi, binary, shipped_static_config
 
@@ -142,27 +143,27 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
     pods = {name: Pod(name, tmp / f"pod-{name}", free_port(), []) for name in RANKS}
     vm_port = free_port()
-    with reaper() as r:
+    with Reaper() as r:
         # Each pod's rank 0 first (it starts the pod's address server); the engines start while they boot.
         for pod in pods.values():
-            pod.ranks.append(r.rank(pod.directory, pod.port, 0, name=f"pod-{pod.name}-0",
+            pod.ranks.append(spawn_rank(r, pod.directory, pod.port, 0, name=f"pod-{pod.name}-0",
                                     NIXL_TELEMETRY_MP_STALE_TTL=TTL_S))
         assert VICTORIA_METRICS is not None
         (tmp / "vm").mkdir()
         # -search.latencyOffset=0s: VictoriaMetrics hides the last 30 s of samples by default.
-        vm_proc = r.start([VICTORIA_METRICS, f"-storageDataPath={tmp / 'vm'}", f"-httpListenAddr=127.0.0.1:{vm_port}",
+        vm_proc = r.spawn([VICTORIA_METRICS, f"-storageDataPath={tmp / 'vm'}", f"-httpListenAddr=127.0.0.1:{vm_port}",
                            "-search.latencyOffset=0s", "-loggerLevel=WARN"], dict(os.environ), cwd=tmp)
         cluster = Prometheus(r, tmp / "cluster", config=shipped_static_config([p.address for p in pods.values()]),
                              files={"nixl.rules.yml": cluster_rules()})
         global_ = Prometheus(r, tmp / "global", config=global_config(
             f"127.0.0.1:{cluster.port}", f"http://127.0.0.1:{vm_port}/api/v1/write"))
-        wait_until(lambda: http_get(f"http://127.0.0.1:{vm_port}/health", timeout=1)[0] == 200, BOUND_S,
+        wait_until(lambda: http_get(f"http://127.0.0.1:{vm_port}/health", timeout=1).status == 200, BOUND_S,
                    lambda: f"VictoriaMetrics to be ready; output:\n{vm_proc.output[-2000:]}")
 
         for pod in pods.values():
             assert wait_ready(pod.ranks[0], timeout=BOUND_S) is True, f"pod {pod.name}: rank 0 serves"
         for pod in pods.values():
-            pod.ranks += [r.rank(pod.directory, pod.port, i, name=f"pod-{pod.name}-{i}",
+            pod.ranks += [spawn_rank(r, pod.directory, pod.port, i, name=f"pod-{pod.name}-{i}",
                                  NIXL_TELEMETRY_MP_STALE_TTL=TTL_S) for i in range(1, RANKS[pod.name])]
         for pod in pods.values():
             assert [wait_ready(p, timeout=BOUND_S) for p in pod.ranks[1:]] == [False] * (len(pod.ranks) - 1)

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import PROJECT_ROOT, child_env, free_port
-from support_e2e import reaper
+from support import PROJECT_ROOT, Reaper, child_env, free_port
 from test_e2e_prometheus import PROMETHEUS, Prometheus, shipped_static_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus")]
@@ -26,7 +25,7 @@ def test_the_shipped_static_config_scrapes_the_demo_and_both_servers_of_an_ha_pa
         tmp_path: Path) -> None:
     port, ranks = free_port(), 3
     target = f"127.0.0.1:{port}"
-    with reaper() as r:
+    with Reaper() as r:
         pair = [Prometheus(r, tmp_path / f"prometheus-{i}", target, config=shipped_static_config([target]))
                 for i in range(2)]
         done = subprocess.run(

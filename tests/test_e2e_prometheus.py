@@ -25,20 +25,8 @@ from typing import Any
 
 import pytest
 import yaml
-from support_e2e import (
-    DEPLOY,
-    XFER_BUCKET,
-    XFER_US,
-    Proc,
-    Reaper,
-    expected,
-    free_port,
-    get_json,
-    http_get,
-    reaper,
-    wait_ready,
-    wait_until,
-)
+from support import Proc, Reaper, free_port, get_json, http_get, wait_until
+from support_e2e import DEPLOY, XFER_BUCKET, XFER_US, expected, spawn_rank, wait_ready
 
 pytestmark = pytest.mark.e2e
 
@@ -138,8 +126,8 @@ class Prometheus(QueryApi):
         assert PROMETHEUS is not None
         args = [PROMETHEUS, f"--config.file={path}", f"--web.listen-address=127.0.0.1:{self.port}",
                 f"--storage.tsdb.path={tmp / 'data'}", "--log.level=warn"]
-        self.proc: Proc = r.start(args, dict(os.environ), cwd=tmp)
-        wait_until(lambda: http_get(f"{self.url}/-/ready", timeout=1)[0] == 200, 30,
+        self.proc: Proc = r.spawn(args, dict(os.environ), cwd=tmp)
+        wait_until(lambda: http_get(f"{self.url}/-/ready", timeout=1).status == 200, 30,
                    lambda: f"Prometheus to be ready; its output:\n{self.proc.output[-2000:]}")
 
 
@@ -147,10 +135,10 @@ class Prometheus(QueryApi):
 def run(tmp: Path, ranks: int) -> Iterator[tuple[Reaper, list[Proc], int, Prometheus]]:
     """``ranks`` ranks of one run (rank 0 first, so it owns the address) and a Prometheus scraping it."""
     directory, port = tmp / "mp", free_port()
-    with reaper() as r:
-        procs = [r.rank(directory, port, 0)]
+    with Reaper() as r:
+        procs = [spawn_rank(r, directory, port, 0)]
         assert wait_ready(procs[0]) is True
-        procs += [r.rank(directory, port, i) for i in range(1, ranks)]
+        procs += [spawn_rank(r, directory, port, i) for i in range(1, ranks)]
         assert [wait_ready(p) for p in procs[1:]] == [False] * (ranks - 1)
         prom = Prometheus(r, tmp / "prometheus", f"127.0.0.1:{port}")
         wait_until(lambda: len(prom.query('agent_tx_bytes_total{job="nixl"}')) == ranks, 30,
@@ -177,8 +165,8 @@ def scrape_health(prom: Prometheus) -> str:
 def test_prometheus_reads_every_rank(scraped: tuple[list[Proc], int, Prometheus]) -> None:
     procs, port, prom = scraped
     # Prometheus is answered in the text format 0.0.4 (as by the C++ plug-in): this is the format it parsed.
-    _, headers, _ = http_get(f"http://127.0.0.1:{port}/metrics", {"Accept": PROMETHEUS_ACCEPT})
-    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    headers = http_get(f"http://127.0.0.1:{port}/metrics", {"Accept": PROMETHEUS_ACCEPT}).headers
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
 
     target = prom.target()
     assert (target["health"], target["lastError"]) == ("up", ""), scrape_health(prom)
@@ -225,8 +213,8 @@ def test_scrape_targets_up_counts_only_nixl_targets(tmp_path: Path) -> None:
     from test_deploy import dashboard, expand_grafana, job_variable
 
     port, prom_port = free_port(), free_port()
-    with reaper() as r:
-        assert wait_ready(r.rank(tmp_path / "mp", port, 0)) is True
+    with Reaper() as r:
+        assert wait_ready(spawn_rank(r, tmp_path / "mp", port, 0)) is True
         # Beside NIXL: Prometheus itself (up) and an exporter that is down.
         prom = Prometheus(r, tmp_path / "prometheus", f"127.0.0.1:{port}", port=prom_port,
                           others={"prometheus": f"127.0.0.1:{prom_port}", "node": f"127.0.0.1:{free_port()}"})
@@ -305,12 +293,13 @@ def promtool_findings(exposition: bytes) -> tuple[int, list[str]]:
 @needs_prometheus
 def test_promtool_check_metrics_finds_only_what_nixl_names_force(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
-        ranks = [r.rank(directory, port, i) for i in range(3)]
+    with Reaper() as r:
+        ranks = [spawn_rank(r, directory, port, i) for i in range(3)]
         serving = [wait_ready(rank) for rank in ranks]
         assert serving.count(True) == 1
-        status, headers, body = http_get(f"http://127.0.0.1:{port}/metrics")  # no Accept: text 0.0.4
-        assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        response = http_get(f"http://127.0.0.1:{port}/metrics")  # no Accept: text 0.0.4
+        assert response.status == 200 and response.headers["content-type"].startswith("text/plain; version=0.0.4")
+        body = response.body
         assert body.count(b"agent_tx_bytes_total{") == 3
 
     returncode, findings = promtool_findings(body)
@@ -335,11 +324,11 @@ def test_openmetrics_output_parses_with_a_strict_parser(tmp_path: Path) -> None:
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
-        assert wait_ready(r.rank(directory, port, 0)) is True
-        _, headers, body = http_get(f"http://127.0.0.1:{port}/metrics",
-                                    {"Accept": "application/openmetrics-text;version=1.0.0"})
-    assert headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
-    families = list(text_string_to_metric_families(body.decode()))
+    with Reaper() as r:
+        assert wait_ready(spawn_rank(r, directory, port, 0)) is True
+        response = http_get(f"http://127.0.0.1:{port}/metrics",
+                            {"Accept": "application/openmetrics-text;version=1.0.0"})
+    assert response.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    families = list(text_string_to_metric_families(response.text))
     assert json.dumps([f.name for f in families])
     assert not any(math.isnan(s.value) for f in families for s in f.samples)

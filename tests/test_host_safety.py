@@ -37,6 +37,7 @@ from support import (
     http_request,
     kill_server_and_spare,
     listening_socket,
+    lock_is_free,
     metrics_url,
     open_fds,
     server_log,
@@ -47,7 +48,6 @@ from support import (
     wait_until_settled,
 )
 from support import reaper_fixture as reaper  # noqa: F401  (pytest fixture)
-from support_reliability import lock_is_free
 
 from app import Exporter
 from app.address.server import CHECK_S

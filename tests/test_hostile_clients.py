@@ -29,7 +29,6 @@ from support import (  # noqa: F401  (pytest fixture)
     wait_until,
 )
 from support_e2e import procfile_web_command, rank_env
-from support_e2e import reaper as e2e_reaper
 from support_reliability import vm_status
 
 from app.connections import PEER_SHARE
@@ -191,8 +190,8 @@ def test_one_peer_holding_slow_requests_cannot_starve_a_scraper_at_another_addre
 
 def test_the_gunicorn_aggregator_has_the_same_request_bounds(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with e2e_reaper() as r:
-        r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1", GUNICORN_THREADS="2"),
+    with Reaper() as r:
+        r.spawn(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1", GUNICORN_THREADS="2"),
                 cwd=tmp_path)
         wait_until(lambda: healthz(port)["owner"]["serving"] == "gunicorn", timeout=DEADLINE_S * 2,
                    message="the aggregator answering")

@@ -185,7 +185,7 @@ def test_aggregator_serves_cpp_ranks_and_hands_over_to_them(tmp_dir: Path, reape
     killing the aggregator hands the address to the recording Python rank, killing that one (and its address
     server) to a C++ rank, and a new aggregator takes it back."""
     port = free_port()
-    with support_e2e.reaper() as group:
+    with Reaper() as group:
         aggregator = start_aggregator(group, tmp_dir, port)
         c0, c1 = start_cpp_ranks(reaper, tmp_dir, port, ["cpp0", "cpp1"], [{"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}])
         py = start_exporter_rank(reaper, tmp_dir, port, agent="py2", extra_env={"LOCAL_RANK": "2", **PY_ENV},
@@ -566,9 +566,9 @@ def test_example_script_is_served_with_the_totals_it_prints(tmp_dir: Path, reape
     port = free_port()
     owner = start_exporter_rank(reaper, tmp_dir, port, agent="py-owner", extra_env=PY_ENV)
     assert owner.serving_at_start
-    with support_e2e.reaper() as group:
+    with Reaper() as group:
         env = support_e2e.rank_env(tmp_dir, port, LOCAL_RANK="4", UCX_NET_DEVICES="lo")
-        example = group.start([sys.executable, str(support_e2e.REPO / "examples" / "cpp_agents.py"), "--size",
+        example = group.spawn([sys.executable, str(support_e2e.REPO / "examples" / "cpp_agents.py"), "--size",
                                "3000", "--count", "2", "--interval", "0.05"], env)
         example.wait_line(lambda line: '"transfers": 6' in line, START_DEADLINE_S)
         example.popen.send_signal(signal.SIGTERM)

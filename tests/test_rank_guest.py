@@ -31,14 +31,17 @@ from support import (  # noqa: F401  (pytest fixtures)
     START_DEADLINE_S,
     Reaper,
     child_env,
+    children_of,
     directory_for,
     exporter_env,
     free_port,
     healthz,
     http_get,
     metrics_url,
+    parent_of,
     parse_exposition,
     pids_in,
+    process_state,
     reaper_fixture,
     scrape,
     start_exporter_rank,
@@ -116,28 +119,8 @@ def served_by_server_of(port: int, rank_pid: int, not_in: tuple[int, ...] = (),
     return wait_until(server, timeout, message=f"an address server started by {rank_pid} answering on port {port}")
 
 
-def process_state(pid: int) -> str | None:
-    """The process's state letter (R, S, T, Z, ...), or None once it is gone (reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return None
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
-    except OSError:
-        return None
-
-
 def gone(pid: int) -> bool:
     return process_state(pid) in (None, "Z", "X")
-
-
-def children_of(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes, zombies included."""
-    return [int(entry) for entry in filter(str.isdigit, os.listdir("/proc")) if parent_of(int(entry)) == pid]
 
 
 def server_processes(port: int) -> list[int]:

@@ -20,12 +20,12 @@ from support import (
     exporter_env,
     free_port,
     http_request,
+    lock_is_free,
     metrics_url,
     open_fds,
     wait_until,
     wait_until_settled,
 )
-from support_reliability import lock_is_free
 
 from app import Exporter
 from election import lock_file_name

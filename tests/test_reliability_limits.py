@@ -16,13 +16,13 @@ from support import (
     exporter_env,
     free_port,
     healthz,
+    lock_is_free,
     parse_exposition,
     reaper_fixture,  # noqa: F401  (a fixture)
     scrape,
     start_rank,
     wait_until,
 )
-from support_reliability import lock_is_free
 
 import election.lock
 import store.writer
@@ -75,10 +75,10 @@ def test_forked_child_does_not_keep_a_dead_parents_store_nor_election(tmp_dir, r
         wait_until(lambda: not writer_alive(info["store"]), message="the dead parent's store released")
         if serve_mode == "helper":
             # ... nor its election: the address server the parent started holds it (the job's: the parent's death
-            # moves nothing) until it goes; an operator's SIGTERM makes it go at once.
+            # moves nothing) until it goes; an operator's SIGINT makes it go at once.
             assert server != rank.pid and not lock_is_free(lock)
             assert [r["pid"] for r in healthz(port)["stale"]] == [info["pid"]]
-            os.kill(server, signal.SIGTERM)
+            os.kill(server, signal.SIGINT)
         wait_until(lambda: lock_is_free(lock), message="the dead parent's election released")
         with Exporter("next", exporter_env(tmp_dir, port, NIXL_TELEMETRY_MP_STALE_TTL="3600")) as nxt:
             assert nxt.serving

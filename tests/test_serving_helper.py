@@ -29,15 +29,18 @@ from support import (  # noqa: F401  (pytest fixtures)
     START_DEADLINE_S,
     ExporterRank,
     Reaper,
+    children_of,
     exporter_env,
     free_port,
     healthz,
     http_get,
     make_exporter_fixture,
     metrics_url,
+    parent_of,
     parse_exposition,
     pids_in,
     proc_cpu_s,
+    process_state,
     reaper_fixture,
     scrape,
     series,
@@ -66,38 +69,6 @@ def wait_for_server(port: int, started_by: int | None = None, not_in: tuple[int,
             return None
         return int(doc["server_pid"]) if started_by is None or doc["started_by"] == started_by else None
     return wait_until(server, START_DEADLINE_S, message=f"an address server answering on port {port}")
-
-
-def stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat after the command name: the state letter first, ppid at 1."""
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-
-
-def process_state(pid: int) -> str | None:
-    """The process's state letter (R, S, T, Z, ...), or None once it is gone (reaped)."""
-    try:
-        return stat_fields(pid)[0]
-    except OSError:
-        return None
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        return int(stat_fields(pid)[1])
-    except OSError:
-        return None
-
-
-def children_of(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes, zombies included."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(stat_fields(int(entry))[1]) == pid:
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
 
 
 def flocked_files(pid: int) -> set[str]:

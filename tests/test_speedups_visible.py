@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support_e2e import REPO, free_port, get_json, http_get, rank_env, reaper, wait_until
+from support import Reaper, free_port, get_json, http_get, wait_until
+from support_e2e import REPO, rank_env
 
 from store import native
 
@@ -68,9 +69,9 @@ def test_the_path_in_use_is_a_warning_a_healthz_field_and_an_inspect_line(tmp_pa
     env = _env(tmp_path, port, blocked=blocked, forced=forced)
     path = "python" if blocked or forced else "c"
     warned = blocked and not forced
-    with reaper() as r:
-        serve = r.start([sys.executable, "-m", "app", "serve"], env)
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 20,
+    with Reaper() as r:
+        serve = r.spawn([sys.executable, "-m", "app", "serve"], env)
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 20,
                    lambda: f"python -m app serve to answer /healthz; output:\n{serve.output}")
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert health["speedups"] == {"recorder": path, "scan": path, "render": path, "pure_python_forced": forced}

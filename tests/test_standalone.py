@@ -23,25 +23,30 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import can_bind, listening_socket, open_direct
+from support import (
+    Reaper,
+    can_bind,
+    children_of,
+    free_port,
+    get_json,
+    http_get,
+    listening_socket,
+    lock_is_free,
+    open_direct,
+    pids_alive,
+    wait_until,
+)
 from support_e2e import (
     REPO,
     SAY_CODE,
     VENV_BIN,
     by_rank,
-    children_of,
     expected,
-    free_port,
-    get_json,
-    http_get,
-    lock_is_free,
     parse_text,
-    pids_alive,
     procfile_web_command,
     rank_env,
-    reaper,
+    spawn_rank,
     wait_ready,
-    wait_until,
 )
 
 from election import address_is_held, lock_file_name
@@ -54,8 +59,8 @@ def start_aggregator(r, directory: Path, port: int, workers: int = 2, **extra: s
     command = procfile_web_command()
     assert command[0] == "gunicorn", command
     env = rank_env(directory, port, GUNICORN_WORKERS=str(workers), GUNICORN_THREADS="4", **extra)
-    proc = r.start(command, env, cwd=directory.parent)
-    wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 20,
+    proc = r.spawn(command, env, cwd=directory.parent)
+    wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 20,
                "gunicorn to answer /healthz")
     wait_until(lambda: len(children_of(proc.pid)) == workers, 10, f"{workers} gunicorn workers")
     # A worker holds the inherited election descriptor from fork() until its post_fork hook drops it.
@@ -94,10 +99,10 @@ def holders_of(path: Path, pids: list[int]) -> list[int]:
 
 def test_procfile_web_serves_ranks_to_concurrent_scrapers(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=2)
         assert (directory.stat().st_mode & 0o777) == 0o700  # created private by the aggregator
-        ranks = [r.rank(directory, port, i) for i in range(3)]
+        ranks = [spawn_rank(r, directory, port, i) for i in range(3)]
         assert [wait_ready(rank) for rank in ranks] == [False] * 3  # quiet writers: the master holds the address
 
         health = get_json(f"http://127.0.0.1:{port}/healthz")
@@ -121,13 +126,14 @@ def test_procfile_web_serves_ranks_to_concurrent_scrapers(tmp_path: Path) -> Non
                         ok = len(doc["live"]) == 3 and doc["owner"]["pid"] == master.pid
                     else:
                         headers = {"Accept": OPENMETRICS} if i % 4 == 1 else {}
-                        status, hdrs, body = http_get(f"http://127.0.0.1:{port}/metrics", headers)
+                        response = http_get(f"http://127.0.0.1:{port}/metrics", headers)
                         if i % 4 == 1:
-                            ok = status == 200 and hdrs["Content-Type"].startswith("application/openmetrics-text")
-                            ok = ok and body.endswith(b"# EOF\n")
+                            ok = response.status == 200 and response.headers["content-type"].startswith(
+                                "application/openmetrics-text")
+                            ok = ok and response.body.endswith(b"# EOF\n")
                         else:
-                            samples = parse_text(body)
-                            ok = status == 200 and all(
+                            samples = parse_text(response.body)
+                            ok = response.status == 200 and all(
                                 by_rank(samples, name) == {rank: values[name] for rank, values in want.items()}
                                 for name in ("agent_tx_bytes_total", "agent_xfer_time_us_count"))
                     with lock:
@@ -153,9 +159,9 @@ def test_procfile_web_serves_ranks_to_concurrent_scrapers(tmp_path: Path) -> Non
 def test_workers_reap_departed_ranks_under_concurrent_scrapes(tmp_path: Path) -> None:
     """Several workers scrape and reap the same directory at once: every scrape succeeds, each store goes once."""
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=3, NIXL_TELEMETRY_MP_STALE_TTL="0.3")
-        ranks = [r.rank(directory, port, i) for i in range(4)]
+        ranks = [spawn_rank(r, directory, port, i) for i in range(4)]
         assert [wait_ready(rank) for rank in ranks] == [False] * 4
         stop = threading.Event()
         results: list[int | str] = []
@@ -163,7 +169,7 @@ def test_workers_reap_departed_ranks_under_concurrent_scrapes(tmp_path: Path) ->
         def scraper() -> None:
             while not stop.is_set():
                 try:
-                    results.append(http_get(f"http://127.0.0.1:{port}/metrics")[0])
+                    results.append(http_get(f"http://127.0.0.1:{port}/metrics").status)
                 except Exception as exc:  # collected, asserted below
                     results.append(repr(exc))
 
@@ -193,10 +199,10 @@ def test_workers_reap_departed_ranks_under_concurrent_scrapes(tmp_path: Path) ->
 def test_workers_never_hold_the_election(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
     lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=3)  # waits for the workers to drop it
         for _ in range(20):  # ... and they never take it back, whatever they serve
-            assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+            assert http_get(f"http://127.0.0.1:{port}/healthz").status == 200
         workers = children_of(master.pid)
         assert len(workers) == 3
         assert holders_of(lock_path, [master.pid, *workers]) == [master.pid]
@@ -207,7 +213,7 @@ def test_master_sigkill_takes_the_workers_and_frees_the_address(tmp_path: Path) 
     """SIGKILL of the master alone: the workers go at once, the lock is free, a rank serves."""
     directory, port = tmp_path / "mp", free_port()
     lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=2)
         workers = children_of(master.pid)
         os.kill(master.pid, signal.SIGKILL)
@@ -218,7 +224,7 @@ def test_master_sigkill_takes_the_workers_and_frees_the_address(tmp_path: Path) 
         # ... and with a rank running, the rank takes the address over (its claims run as it records) and
         # starts an address server: the workers no longer listen on it, so its first bind after winning succeeds.
         master = start_aggregator(r, directory, port, workers=2)
-        rank = r.rank(directory, port, 0)
+        rank = spawn_rank(r, directory, port, 0)
         assert wait_ready(rank) is False
         os.kill(master.pid, signal.SIGKILL)
         rank.wait_line(lambda s: s == "serving=True", 20)
@@ -230,16 +236,16 @@ def test_master_sigkill_takes_the_workers_and_frees_the_address(tmp_path: Path) 
 
 def test_killing_the_aggregator_hands_the_address_to_a_rank(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=2)
-        ranks = [r.rank(directory, port, i) for i in range(2)]
+        ranks = [spawn_rank(r, directory, port, i) for i in range(2)]
         assert [wait_ready(rank) for rank in ranks] == [False, False]
 
         master.killpg(signal.SIGKILL)  # master and workers, as a container runtime would
         master.popen.wait(timeout=10)
 
         def new_owner() -> dict | None:
-            status = http_get(f"http://127.0.0.1:{port}/metrics", timeout=1)[0]
+            status = http_get(f"http://127.0.0.1:{port}/metrics", timeout=1).status
             health = get_json(f"http://127.0.0.1:{port}/healthz", timeout=1) if status == 200 else None
             return health if health and health["owner"]["mode"] == "in-process" else None
 
@@ -247,7 +253,7 @@ def test_killing_the_aggregator_hands_the_address_to_a_rank(tmp_path: Path) -> N
         health = wait_until(new_owner, 20, "a rank to serve the address")
         assert health["owner"]["serving"] == "helper"
         assert health["owner"]["started_by"] in {rank.pid for rank in ranks}
-        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
+        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics").body)
         assert by_rank(samples, "agent_tx_bytes_total") == {str(i): expected(i)["agent_tx_bytes_total"]
                                                             for i in range(2)}
 
@@ -255,8 +261,8 @@ def test_killing_the_aggregator_hands_the_address_to_a_rank(tmp_path: Path) -> N
 def test_missing_directory_fails_the_start_in_one_line(tmp_path: Path) -> None:
     env = rank_env(tmp_path, free_port())
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
-    with reaper() as r:
-        proc = r.start(procfile_web_command(), env, cwd=tmp_path)
+    with Reaper() as r:
+        proc = r.spawn(procfile_web_command(), env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) != 0
     out = proc.output
     assert "Traceback" not in out, out
@@ -266,8 +272,8 @@ def test_missing_directory_fails_the_start_in_one_line(tmp_path: Path) -> None:
 
 def test_bad_port_fails_the_start_in_one_line(tmp_path: Path) -> None:
     env = rank_env(tmp_path / "mp", 1, NIXL_TELEMETRY_PROMETHEUS_PORT="99999")
-    with reaper() as r:
-        proc = r.start(procfile_web_command(), env, cwd=tmp_path)
+    with Reaper() as r:
+        proc = r.spawn(procfile_web_command(), env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) != 0
     assert "Traceback" not in proc.output, proc.output
     assert proc.output.strip() == ("nixl-prometheus-mp: error: NIXL_TELEMETRY_PROMETHEUS_PORT='99999' is outside "
@@ -279,8 +285,8 @@ def test_a_port_held_outside_the_run_fails_the_start_in_one_line_naming_the_hold
     port = free_port()
     foreign = listening_socket(port)
     try:
-        with reaper() as r:
-            proc = r.start(procfile_web_command(), rank_env(tmp_path / "mp", port), cwd=tmp_path)
+        with Reaper() as r:
+            proc = r.spawn(procfile_web_command(), rank_env(tmp_path / "mp", port), cwd=tmp_path)
             assert proc.popen.wait(timeout=30) != 0
     finally:
         foreign.close()
@@ -297,8 +303,8 @@ def test_app_wsgi_without_the_config_file_names_the_variable(tmp_path: Path) -> 
     """``gunicorn app:wsgi`` without ``-c python:app.gunicorn_conf``: the worker fails to load, in one line."""
     env = rank_env(tmp_path, free_port())
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
-    with reaper() as r:
-        proc = r.start([str(Path(sys.executable).parent / "gunicorn"), "--no-control-socket", "-b",
+    with Reaper() as r:
+        proc = r.spawn([str(Path(sys.executable).parent / "gunicorn"), "--no-control-socket", "-b",
                         f"127.0.0.1:{free_port()}", "app:wsgi"], env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) != 0
     assert "Traceback" not in proc.output, proc.output
@@ -314,8 +320,8 @@ def test_bad_worker_or_thread_count_fails_the_start_in_one_line(tmp_path: Path, 
     """0 workers would win the election and serve nothing; a non-number was a gunicorn traceback."""
     directory = tmp_path / "mp"
     env = rank_env(directory, free_port(), **{variable: value})
-    with reaper() as r:
-        proc = r.start(procfile_web_command(), env, cwd=tmp_path)
+    with Reaper() as r:
+        proc = r.spawn(procfile_web_command(), env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) == 1
     assert proc.output.strip() == (f"nixl-prometheus-mp: error: {variable}={value!r} is not a whole number in "
                                    f"1..{64 if variable == 'GUNICORN_WORKERS' else 256}"), proc.output
@@ -356,8 +362,8 @@ def test_gunicorn_flag_that_would_strand_the_address_is_refused_before_anything_
         command, env["GUNICORN_CMD_ARGS"] = web, " ".join(flags)
     else:
         command = [str(VENV_BIN / "nixl-prometheus-mp"), "aggregate", *flags]
-    with reaper() as r:
-        proc = r.start(command, env, cwd=tmp_path)
+    with Reaper() as r:
+        proc = r.spawn(command, env, cwd=tmp_path)
         assert proc.popen.wait(timeout=30) == 1
     ours = [line for line in proc.lines if "Starting gunicorn" not in line]  # gunicorn's own INFO line comes first
     assert len(ours) == 1 and ours[0].startswith("nixl-prometheus-mp: error: "), proc.output
@@ -370,22 +376,23 @@ def test_gunicorn_flag_that_would_strand_the_address_is_refused_before_anything_
 def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> None:
     """--log-level warning: its warnings stay, its INFO lines (a reaped rank) go, like gunicorn's own."""
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
-        rank = r.rank(directory, port, 0)
+    with Reaper() as r:
+        rank = spawn_rank(r, directory, port, 0)
         assert wait_ready(rank) is True
         web = procfile_web_command()
-        agg = r.start([*web[:-1], "--log-level", "warning", web[-1]],
+        agg = r.spawn([*web[:-1], "--log-level", "warning", web[-1]],
                       rank_env(directory, port, GUNICORN_WORKERS="1", NIXL_TELEMETRY_MP_STALE_TTL="0"), cwd=tmp_path)
         agg.wait_line(lambda s: "holds the owner election" in s and "[WARNING]" in s, 20)
         server = address_server_of(port)["server_pid"]
         assert rank.stop() == 0
-        # The job's address server would serve the departed rank until its TTL: an operator stops it instead.
-        os.kill(server, signal.SIGTERM)
+        # The job's address server would serve the departed rank until its TTL (a SIGTERM too, which lets it
+        # finish): an operator stops it at once instead.
+        os.kill(server, signal.SIGINT)
         (store,) = directory.glob("nixl.*.mmap")  # the departed rank's, left for the aggregator to reap
         health = wait_until(lambda: (d := get_json(f"http://127.0.0.1:{port}/healthz", timeout=1))["owner"][
             "mode"] == "standalone" and d, 20, "the aggregator to serve")
         assert health["owner"]["pid"] == agg.pid
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics")[0] == 200 and not store.exists(), 10,
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/metrics").status == 200 and not store.exists(), 10,
                    lambda: f"{store.name} to be reaped")
         assert agg.stop() == 0
     assert not [line for line in agg.lines if "[INFO]" in line], agg.output  # "reaped ...", "Starting gunicorn"
@@ -393,11 +400,11 @@ def test_the_aggregators_lines_follow_gunicorns_log_level(tmp_path: Path) -> Non
 
 def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
-        rank = r.rank(directory, port, 0, NIXL_TELEMETRY_MP_STALE_TTL="1")
+    with Reaper() as r:
+        rank = spawn_rank(r, directory, port, 0, NIXL_TELEMETRY_MP_STALE_TTL="1")
         assert wait_ready(rank) is True
         server = address_server_of(port)["server_pid"]
-        agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        agg = r.spawn(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         line = agg.wait_line(lambda s: "holds the owner election" in s and "pid " in s, 20)
         # The holder is the job's address server: named, with the rank that started it.
         assert f"the address server pid {server} on " in line, line
@@ -415,9 +422,9 @@ def test_waiting_aggregator_names_the_rank_that_holds_the_address(tmp_path: Path
 
 def test_waiting_aggregator_names_the_aggregator_that_holds_the_address(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
+    with Reaper() as r:
         first = start_aggregator(r, directory, port, workers=1)
-        second = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        second = r.spawn(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         line = second.wait_line(lambda s: "holds the owner election" in s, 20)
         assert f"pid {first.pid} on " in line and "(standalone)" in line, line
 
@@ -425,7 +432,7 @@ def test_waiting_aggregator_names_the_aggregator_that_holds_the_address(tmp_path
 def test_usr2_upgrade_is_refused_and_the_old_master_keeps_serving(tmp_path: Path) -> None:
     """A new master could never win the election its old master holds: refused at once, with the reason."""
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=1)
         workers = children_of(master.pid)
         os.kill(master.pid, signal.SIGUSR2)
@@ -450,15 +457,15 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     directory, port = tmp_path / "mp", free_port()
-    with reaper() as r:
-        rank = r.rank(directory, port, 0)
+    with Reaper() as r:
+        rank = spawn_rank(r, directory, port, 0)
         assert wait_ready(rank) is True  # its address server serves until the aggregator takes over below
         server = address_server_of(port)["server_pid"]
         rank.stop()
-        os.kill(server, signal.SIGTERM)  # (else it serves the departed rank until the TTL, and the aggregator waits)
+        os.kill(server, signal.SIGINT)  # (else it serves the departed rank until the TTL, and the aggregator waits)
         command = [*procfile_web_command()[:-1], "--certfile", str(cert), "--keyfile", str(key),
                    procfile_web_command()[-1]]
-        agg = r.start(command, rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        agg = r.spawn(command, rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         trusted = ssl.create_default_context(cafile=str(cert))
 
         def scrape(context: ssl.SSLContext) -> bytes:
@@ -478,7 +485,7 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
         page = " ".join((REPO / "docs" / "operations.md").read_text().split())
         quoted = re.search(r"names a TLS holder by the pid of its lock: `pid N \(([^)`]*)\)`", page)
         assert quoted is not None, "docs/operations.md no longer says how a TLS holder is named"
-        waiting = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        waiting = r.spawn(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         line = waiting.wait_line(lambda s: "holds the owner election" in s, 20)
         assert re.search(rf"pid \d+ \({re.escape(quoted.group(1))}\) holds the owner election", line), line
 
@@ -486,7 +493,7 @@ def test_aggregator_serves_over_tls_with_gunicorns_certificate_options(tmp_path:
 def test_hup_replaces_the_workers_and_the_master_keeps_the_election(tmp_path: Path) -> None:
     directory, port = tmp_path / "mp", free_port()
     lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
-    with reaper() as r:
+    with Reaper() as r:
         master = start_aggregator(r, directory, port, workers=2)
         old = sorted(children_of(master.pid))
         os.kill(master.pid, signal.SIGHUP)
@@ -520,11 +527,11 @@ def test_waiting_aggregator_names_a_holder_without_healthz_by_its_lock(tmp_path:
     directory, port = tmp_path / "mp", free_port()
     directory.mkdir(mode=0o700)
     lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
-    with reaper() as r:
+    with Reaper() as r:
         args = [sys.executable, "-c", HOLDER_CODE, str(lock_path), *([str(port)] if serves else [])]
-        holder = r.start(args, rank_env(directory, port), stdin=True)
+        holder = r.spawn(args, rank_env(directory, port), stdin=True)
         holder.wait_line(lambda s: s == "ready", 20)
-        agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        agg = r.spawn(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         line = agg.wait_line(lambda s: "holds the owner election" in s, 20)
         state = f"serving 127.0.0.1:{port} without /healthz" if serves else "its /healthz does not answer yet"
         assert f"pid {holder.pid} ({state}" in line, line
@@ -541,15 +548,15 @@ def test_waiting_aggregator_names_each_new_holder(tmp_path: Path) -> None:
     """The holder it named exits and another process takes the address: the aggregator says who, again."""
     directory, port = tmp_path / "mp", free_port()
     lock_path = directory / lock_file_name(f"127.0.0.1:{port}")
-    with reaper() as r:
-        first = r.rank(directory, port, 0, NIXL_TELEMETRY_MP_STALE_TTL="1")
+    with Reaper() as r:
+        first = spawn_rank(r, directory, port, 0, NIXL_TELEMETRY_MP_STALE_TTL="1")
         assert wait_ready(first) is True
         server = address_server_of(port)["server_pid"]
-        agg = r.start(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
+        agg = r.spawn(procfile_web_command(), rank_env(directory, port, GUNICORN_WORKERS="1"), cwd=tmp_path)
         agg.wait_line(lambda s: f"the address server pid {server} on " in s and "holds the owner election" in s, 20)
         # The next holder waits in flock(LOCK_EX), so the kernel hands it the lock the moment the address server
         # drops it (the aggregator only polls), then serves the port without /healthz, as NIXL's C++ plug-in would.
-        second = r.start([sys.executable, "-c", HOLDER_CODE, str(lock_path), str(port)], rank_env(directory, port),
+        second = r.spawn([sys.executable, "-c", HOLDER_CODE, str(lock_path), str(port)], rank_env(directory, port),
                          stdin=True)
         wait_until(lambda: blocked_on_flock(second.pid), 20, "the second holder to wait for the lock")
         first.stop()  # the job ends: its address server gives the address up once the rank's TTL is past

@@ -16,20 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support_e2e import (
-    Proc,
-    Reaper,
-    by_rank,
-    children_of,
-    free_port,
-    http_get,
-    parse_text,
-    procfile_web_command,
-    rank_env,
-    reaper,
-    wait_ready,
-    wait_until,
-)
+from support import Proc, Reaper, children_of, free_port, http_get, wait_until
+from support_e2e import by_rank, parse_text, procfile_web_command, rank_env, spawn_rank, wait_ready
 
 # Runs as root in a new mount namespace: every mount below is that namespace's alone.
 READ_ONLY_ROOT = """
@@ -68,9 +56,9 @@ def contained(tmp_path: Path, shm_read_only: bool = False) -> tuple[list[str], d
 def start_contained_aggregator(r: Reaper, tmp_path: Path, port: int, tmpdir: str, shm_read_only: bool) -> Proc:
     """The Procfile's web: command, two workers, in the stand-in container."""
     prefix, env = contained(tmp_path, shm_read_only)
-    proc = r.start([*prefix, *procfile_web_command()],
+    proc = r.spawn([*prefix, *procfile_web_command()],
                    rank_env(tmp_path / "run" / "mp", port, GUNICORN_WORKERS="2", TMPDIR=tmpdir, **env))
-    wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 20,
+    wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 20,
                lambda: f"the aggregator to answer /healthz:\n{proc.output}")
     wait_until(lambda: len(heartbeat_files(proc.pid)) == 2, 10, lambda: f"2 booted workers:\n{proc.output}")
     return proc
@@ -101,13 +89,13 @@ def test_the_stand_in_has_no_usable_temporary_directory(tmp_path: Path) -> None:
 
 def test_aggregator_serves_without_a_writable_temporary_directory(tmp_path: Path) -> None:
     port = free_port()
-    with reaper() as r:
+    with Reaper() as r:
         aggregator = start_contained_aggregator(r, tmp_path, port, "/nonexistent", shm_read_only=False)
         assert all(f.startswith("/dev/shm/wgunicorn-") for f in heartbeat_files(aggregator.pid)), \
             heartbeat_files(aggregator.pid)
-        rank = r.rank(tmp_path / "run" / "mp", port, 0)
+        rank = spawn_rank(r, tmp_path / "run" / "mp", port, 0)
         assert wait_ready(rank) is False  # a writer: the aggregator serves the address
-        wait_until(lambda: by_rank(parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2]),
+        wait_until(lambda: by_rank(parse_text(http_get(f"http://127.0.0.1:{port}/metrics").body),
                                    "agent_tx_bytes_total") != {}, 10, "the rank on /metrics")
     assert "Traceback" not in aggregator.output, aggregator.output
 
@@ -115,7 +103,7 @@ def test_aggregator_serves_without_a_writable_temporary_directory(tmp_path: Path
 def test_aggregator_keeps_gunicorns_default_where_dev_shm_is_not_writable(tmp_path: Path) -> None:
     """Outside a container /dev/shm may be missing or read-only: then the temporary directory, as before."""
     port = free_port()
-    with reaper() as r:
+    with Reaper() as r:
         # A usable temporary directory (TMPDIR: the writable mount), /dev/shm read-only.
         aggregator = start_contained_aggregator(r, tmp_path, port, str(tmp_path / "run"), shm_read_only=True)
         files = heartbeat_files(aggregator.pid)
