@@ -27,6 +27,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -135,6 +136,83 @@ def _rank_json(view: RankView) -> dict[str, Any]:
     return out
 
 
+_Format = tuple[bool, bool]  # (OpenMetrics, gzip): what a /metrics body is, given the request's headers
+
+
+class _Flight:
+    """The /metrics requests answered from one collection: each format they asked for is rendered (and
+    compressed) once, and every one of them gets a reference to the same immutable bytes."""
+
+    def __init__(self) -> None:
+        self.formats: set[_Format] = set()
+        self.bodies: dict[_Format, bytes] = {}
+        self.failed: BaseException | None = None
+        self.done = threading.Event()
+
+
+class SharedScrapes:
+    """/metrics bodies, one collection at a time, shared by the requests that waited for it (single flight).
+
+    A body is held until its answer is sent, which a client that never reads stretches to the request's deadline
+    (app.connections.REQUEST_TIMEOUT_S): were each request to render its own, 60 such clients of a 7 MB body
+    would hold 60 bodies (and 60 collections while they render).  Here the requests that arrive while a
+    collection runs wait for it to end and then share the next one, so the server holds at most the
+    collection in progress and a body per collection being sent, however many clients ask.
+
+    A request never gets a body whose collection began before it arrived: it joins only the flight that has not
+    begun collecting yet, so what it is answered is as fresh as if it had been served alone (Prometheus's
+    semantics: the sample is no older than the scrape).  Sharing saves the renders as well: N concurrent
+    scrapes cost at most two collections, not N.
+    """
+
+    def __init__(self, collector: Collector, renderer: Renderer) -> None:
+        self._collector = collector
+        self._renderer = renderer
+        self._lock = threading.Lock()  # guards _waiting
+        self._waiting: _Flight | None = None  # the flight requests join: its collection has not begun
+        self._collecting = threading.Lock()  # held by the flight whose collection and renders are in progress
+
+    def body(self, form: _Format) -> bytes:
+        with self._lock:
+            flight, lead = self._waiting, False
+            if flight is None:
+                flight = self._waiting = _Flight()
+                lead = True
+            flight.formats.add(form)
+        if lead:
+            self._fly(flight)
+        else:
+            flight.done.wait()  # (no timeout: a collection always ends, and the leader's fails the flight)
+        if flight.failed is not None:
+            raise RuntimeError("the collection this scrape waited for failed") from flight.failed
+        return flight.bodies[form]
+
+    def _fly(self, flight: _Flight) -> None:
+        try:
+            with self._collecting:
+                with self._lock:
+                    self._waiting = None  # who arrives from now on waits for the next collection, not this one
+                formats = sorted(flight.formats)
+                collection = self._collector.collect()
+                rendered: dict[bool, bytes] = {}
+                for openmetrics, _ in formats:
+                    if openmetrics not in rendered:
+                        rendered[openmetrics] = self._renderer.render(collection.published, openmetrics)
+                del collection  # (its snapshots are the largest thing held while compressing)
+                for openmetrics, zipped in formats:
+                    body = rendered[openmetrics]
+                    if zipped:
+                        # Level 1: at 1024 ranks it compresses the 9 MB body in about a third of level 6's time,
+                        # to a 16x smaller body instead of 21x (docs/performance.md): the scrape is what waits.
+                        body = gzip.compress(body, compresslevel=1)
+                    flight.bodies[(openmetrics, zipped)] = body
+        except BaseException as exc:
+            flight.failed = exc
+            raise
+        finally:
+            flight.done.set()
+
+
 class MetricsApp:
     """A WSGI application serving one directory of stores."""
 
@@ -145,6 +223,7 @@ class MetricsApp:
         self._extra_warnings = extra_warnings or (lambda: [])
         self._on_scrape = on_scrape or (lambda: None)  # e.g. the owner's periodic duplicate-owner check
         self._renderer = Renderer()
+        self._scrapes = SharedScrapes(collector, self._renderer)
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") == "/metrics" and environ.get("REQUEST_METHOD") in _METRICS_METHODS:
@@ -165,14 +244,10 @@ class MetricsApp:
         """GET or HEAD /metrics, as a WSGI app."""
         openmetrics, zipped = _negotiated(environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING"))
         self._on_scrape()
-        collection = self.collector.collect()
-        body = self._renderer.render(collection.published, openmetrics)
+        body = self._scrapes.body((openmetrics, zipped))
         headers = [("Content-Type", CONTENT_TYPE_OPENMETRICS if openmetrics else CONTENT_TYPE_PLAIN_0_0_4),
                    ("Vary", "Accept, Accept-Encoding")]
         if zipped:
-            # Level 1: at 1024 ranks it compresses the 9 MB body in about a third of level 6's time, to a
-            # 16x smaller body instead of 21x (docs/performance.md): the scrape is what waits for it.
-            body = gzip.compress(body, compresslevel=1)
             headers.append(("Content-Encoding", "gzip"))
         headers.append(("Content-Length", str(len(body))))
         start_response("200 OK", headers)
