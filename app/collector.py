@@ -55,7 +55,7 @@ from store.warnonce import OnceWarner
 log = logging.getLogger("nixl_prometheus_mp.collector")
 _warner = OnceWarner(log)
 
-__all__ = ["Collection", "Collector", "RankView", "dedupe", "is_store_name", "label_key"]
+__all__ = ["Collection", "Collector", "RankView", "dedupe", "drain_s", "is_store_name", "label_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +79,16 @@ class Collection:
         ranks = self.live + self.stale
         ranks.sort(key=lambda r: r.snapshot.name)
         return [r.snapshot for r in ranks]
+
+
+def drain_s(collection: Collection, max_s: float) -> float | None:
+    """After a SIGTERM: how long to go on serving (the last departed store's TTL, at most ``max_s``), or None to go
+    at once.  A live store means the job still runs, and its ranks take the address over (or find the sidecar
+    gone) by themselves; nothing departed means nothing is left to publish."""
+    if collection.live or collection.scan_error is not None or max_s <= 0:
+        return None
+    pending = [view.reap_in_s for view in collection.stale if view.reap_in_s is not None and view.reap_in_s > 0]
+    return min(max(pending), max_s) if pending else None
 
 
 def label_key(snap: Snapshot) -> tuple[str, str, int, int, str]:

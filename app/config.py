@@ -30,10 +30,14 @@ ENABLED_ENV = "NIXL_TELEMETRY_ENABLED_METRICS"
 ENABLE_ENV = "NIXL_TELEMETRY_ENABLE"
 EXPORTER_ENV = "NIXL_TELEMETRY_EXPORTER"
 SERVE_ENV = "NIXL_PROMETHEUS_MP_SERVE"
+DRAIN_ENV = "NIXL_PROMETHEUS_MP_DRAIN_MAX"
 SERVE_MODES = ("helper", "thread")  # the first is the default
 
 DEFAULT_PORT = 9090
 DEFAULT_TTL_S = 30.0
+# How long a SIGTERMed server or aggregator may keep publishing departed ranks' final values (their TTL ends it
+# sooner): within Kubernetes' default 30 s grace period once the ranks' own shutdown is counted.
+DEFAULT_DRAIN_MAX_S = 20.0
 DEFAULT_RANK_ENV = "LOCAL_RANK"
 # The TTL is compared in int64 nanoseconds (as in the C++ plug-in): larger
 # values cannot be represented, and nothing needs a TTL of centuries.
@@ -86,8 +90,13 @@ def _port(text: str | None) -> int:
 
 def stale_ttl(text: str | None, name: str = TTL_ENV) -> float:
     """The stale TTL in seconds from ``text`` (unset or blank: the default); ``name`` is what errors call it."""
+    return seconds(text, name, DEFAULT_TTL_S)
+
+
+def seconds(text: str | None, name: str, default: float) -> float:
+    """A duration in seconds from ``text`` (unset or blank: ``default``); ``name`` is what errors call it."""
     if text is None or not text.strip():
-        return DEFAULT_TTL_S
+        return default
     try:
         ttl = float(text)
     except ValueError:
@@ -166,6 +175,7 @@ class Config:
     buckets: tuple[float, ...] = ()
     enabled: frozenset[EventType] = frozenset(EventType)
     serve: str = SERVE_MODES[0]  # who serves an elected rank's address: the address server, or a thread of its own
+    drain_max_s: float = DEFAULT_DRAIN_MAX_S  # the longest a SIGTERMed server goes on publishing final values
 
     @property
     def host(self) -> str:
@@ -202,6 +212,7 @@ class Config:
             buckets=buckets,
             enabled=_enabled(env.get(ENABLED_ENV)),
             serve=_serve(env.get(SERVE_ENV)),
+            drain_max_s=seconds(env.get(DRAIN_ENV), DRAIN_ENV, DEFAULT_DRAIN_MAX_S),
         )
 
 
@@ -259,6 +270,11 @@ def directory_warnings(directory: Path, setting: str = DIR_ENV) -> list[str]:
                         "user could plant files the owner would read, truncate or unlink; use a private 0700 "
                         f"directory for {setting}")
     if st.st_uid != os.geteuid():
-        problems.append(f"{directory} is owned by uid {st.st_uid}, not this process's uid {os.geteuid()}: "
-                        f"use a directory owned by the run's user for {setting}")
+        # Said where it matters: a server or aggregator running as that user publishes no store of another
+        # user's, and its /healthz is not where a rank's operator looks.
+        problems.append(f"{directory} is owned by uid {st.st_uid}, not this process's uid {os.geteuid()}: a server "
+                        f"or aggregator running as uid {st.st_uid} skips the stores of other users, this process's "
+                        "included, so nothing it records would be published there. Run every rank and the "
+                        "aggregator as the same user (in Kubernetes, the same runAsUser in every container), with "
+                        f"a directory owned by that user for {setting}")
     return problems

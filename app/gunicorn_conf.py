@@ -21,10 +21,18 @@ from typing import NoReturn
 
 from gunicorn.glogging import Logger
 
-from app.aggregator.hooks import hold_election, port_problem, refuse_reexec, release_election, worker_forked
+from app.aggregator.hooks import (
+    drain_on_sigterm,
+    hold_election,
+    port_problem,
+    refuse_reexec,
+    release_election,
+    worker_forked,
+)
 from app.aggregator.settings import gunicorn_counts, gunicorn_overrides, prepare_standalone
 from app.config import Config, ConfigError
 from app.http import MAX_HEADER_FIELDS, MAX_REQUEST_LINE
+from app.stopsignals import StopSignals
 
 _log = logging.getLogger("nixl_prometheus_mp")
 if not _log.handlers:  # our log lines, formatted like gunicorn's
@@ -76,15 +84,23 @@ def on_starting(server):
         prepare_standalone(_config)
     except ConfigError as exc:
         _refuse(exc)
-    # Before gunicorn binds: the election, not the bind, decides who serves.
+    # Before gunicorn binds: the election, not the bind, decides who serves.  gunicorn's signal handlers come
+    # after this hook: the wait has its own (a stop signal, Ctrl-C included, ends it).
+    stop = StopSignals()
     try:
-        hold_election(_config)
-    except KeyboardInterrupt:  # Ctrl-C while another process serves the address and we wait for it
-        raise SystemExit(1) from None
+        held = hold_election(_config, stop.wait)
+    finally:
+        stop.close()
+    if held is None:
+        raise SystemExit(0)
     problem = port_problem(_config)
     if problem:
         release_election()
         _refuse(problem)
+
+
+def when_ready(server):
+    drain_on_sigterm(server, _config)
 
 
 def pre_exec(server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -58,6 +59,41 @@ def replaced_warning(directory: Path, detected_at: float) -> WarningDoc:
             "message": f"{directory} was removed or replaced while this process served it; ranks that started "
                        "before are missing until they record again",
             "details": {"directory": str(directory), "detected_at": _iso(detected_at)}}
+
+
+def draining_warning(until: float) -> WarningDoc:
+    """/healthz's word from a server (or aggregator) told to stop: it publishes the job's final values until
+    ``until`` (the last departed rank's TTL, or the drain's maximum), then exits."""
+    return {"kind": "draining",
+            "message": f"told to stop (SIGTERM): publishing the departed ranks' final values until {_iso(until)}, "
+                       "then exiting; a second SIGTERM, or SIGINT, ends it at once",
+            "details": {"until": _iso(until)}}
+
+
+# The initial PID namespace's inode (PROC_PID_INIT_INO, <linux/proc_ns.h>): the same on every Linux host.  A
+# container's /proc shows its own namespace only (NSpid has one level inside it): the inode is what tells.
+_HOST_PID_NAMESPACE = "pid:[4026531836]"
+
+
+def pid_namespace_warning() -> WarningDoc | None:
+    """/healthz's word from an address server in a PID namespace of its own (a container), None on the host's.
+
+    When a PID namespace's first process (the container's main process) exits, the kernel kills every other
+    process in it: the server too, and with it the job's final values, which on a host it would publish until
+    their TTL.
+    """
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    if namespace == _HOST_PID_NAMESPACE:
+        return None
+    return {"kind": "pid-namespace",
+            "message": "this address server runs in a PID namespace of its own (a container): it ends with that "
+                       "namespace's first process (the container's main process), and the job's final values with "
+                       "it, where on a host it would publish them until their TTL. To keep them, run the aggregator "
+                       "as a sidecar container of the pod (deploy/nixl-ranks.yaml): it holds the address instead",
+            "details": {"namespace": namespace}}
 
 
 class OwnerWatch:

@@ -56,6 +56,7 @@ class ServerArgs:
     started_by: int  # the pid of the rank that started the first server of this line
     agent_name: str | None  # that rank's agent
     stale_ttl_s: float
+    drain_max_s: float  # after a SIGTERM, the longest it goes on publishing departed ranks' final values
     serving_since: float
     replaced_at: float | None  # when the rank found its directory replaced, for /healthz
     log_level: int

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from support_e2e import DEPLOY, REPO, procfile_web_command
 
+from app.config import DEFAULT_DRAIN_MAX_S, DRAIN_ENV, TTL_ENV
 from store.metrics import FAMILIES
 
 MOUNT = "/run/nixl_metrics"
@@ -180,6 +181,18 @@ def test_aggregator_sidecar_runs_the_procfile_web_command() -> None:
         assert agg.get("command", []) + agg.get("args", []) == procfile_web_command()
         if agg in spec.get("initContainers", []):
             assert agg.get("restartPolicy") == "Always", "an init container aggregator must be a native sidecar"
+
+
+def test_every_container_runs_under_the_images_init_and_the_grace_period_covers_the_drain() -> None:
+    """A container's command: replaces the image's entrypoint (tini), and with it the reaping of the address
+    servers that end in the container: deploy/ gives args only.  The grace period covers the ranks' shutdown
+    (10 s) then the aggregator's drain (the TTL, at most the drain's maximum)."""
+    for path, _, spec in pod_specs():
+        for container in containers(spec):
+            assert "command" not in container and container.get("args"), (path, container["name"])
+        agg = env_of(aggregator(spec))
+        drain_s = min(float(agg[TTL_ENV]), float(agg.get(DRAIN_ENV, DEFAULT_DRAIN_MAX_S)))
+        assert spec["terminationGracePeriodSeconds"] >= 10 + drain_s + 5, path
 
 
 def test_aggregator_probes_healthz_on_the_metrics_port() -> None:

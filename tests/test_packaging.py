@@ -25,20 +25,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import Reaper, free_port, get_json, http_get, wait_until
 from support_e2e import (
     RANK_CODE,
     XFER_COUNT,
     XFER_US,
     by_rank,
     expected,
-    free_port,
-    get_json,
-    http_get,
     parse_text,
     procfile_web_command,
-    reaper,
     shell_commands,
-    wait_until,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,7 +214,10 @@ def test_containerfile_is_multi_stage_non_root_and_runs_the_aggregator() -> None
     builder, final = containerfile_stages()
     assert builder.name == "builder" and final.name is None
     assert builder.base == final.base  # the same interpreter builds and runs the wheels
-    assert final.instruction("COPY") == ["--from=builder /wheels /wheels"]
+    # The wheels, and the init every container runs under (a static build: nothing of the builder's libraries).
+    assert final.instruction("COPY") == ["--from=builder /wheels /wheels",
+                                         "--from=builder /usr/bin/tini-static /usr/bin/tini"]
+    assert [json.loads(e) for e in final.instruction("ENTRYPOINT")] == [["/usr/bin/tini", "--"]]
     # No compiler, package manager run nor source tree in the final stage: it only installs wheels.
     assert not any(re.search(r"\b(apt-get|apk|dnf|yum|gcc|cc|make|build)\b", c) for c in final.runs()), final.runs()
     assert any(f'"nixl-prometheus-mp=={VERSION}"' in c and "--no-index" in c for c in final.runs())
@@ -285,16 +284,16 @@ def test_image_install_serves_ranks_from_any_directory(image_venv: Path, tmp_pat
                     GUNICORN_WORKERS="1")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    with reaper() as r:
-        aggregator = r.start(command, env, cwd=elsewhere)
-        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200, 30,
+    with Reaper() as r:
+        aggregator = r.spawn(command, env, cwd=elsewhere)
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 30,
                    lambda: f"the installed aggregator to serve; output:\n{aggregator.output}")
-        rank = r.start([str(bin_ / "python"), "-c", RANK_CODE, "agent-0", "0", str(XFER_US[0]), str(XFER_COUNT)],
+        rank = r.spawn([str(bin_ / "python"), "-c", RANK_CODE, "agent-0", "0", str(XFER_US[0]), str(XFER_COUNT)],
                        dict(env, LOCAL_RANK="0"), cwd=elsewhere, stdin=True)
         assert rank.wait_line(lambda s: s.startswith("ready "), 20).endswith("serving=False")
         health = get_json(f"http://127.0.0.1:{port}/healthz")
         assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", aggregator.pid)
-        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics")[2])
+        samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics").body)
         assert by_rank(samples, "agent_tx_bytes_total") == {"0": expected(0)["agent_tx_bytes_total"]}
         assert aggregator.stop() == 0  # SIGTERM: a clean gunicorn shutdown
     assert "Traceback" not in aggregator.output, aggregator.output
@@ -315,8 +314,8 @@ def test_installed_commands_run_beside_a_projects_own_app_and_store(image_venv: 
     env = clean_env(PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", NIXL_TELEMETRY_MULTIPROC_DIR=str(directory),
                     NIXL_TELEMETRY_PROMETHEUS_PORT=str(port), NIXL_TELEMETRY_PROMETHEUS_LOCAL="y",
                     GUNICORN_WORKERS="1")
-    with reaper() as r:
-        aggregator = r.start(words, env, cwd=project)
+    with Reaper() as r:
+        aggregator = r.spawn(words, env, cwd=project)
         health = wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2), 30,
                             lambda: f"the aggregator to serve; output:\n{aggregator.output}")
         assert (health["owner"]["mode"], health["owner"]["pid"]) == ("standalone", aggregator.pid)

@@ -23,18 +23,20 @@ It belongs to the job, not to the rank that started it:
   port held): at once if nothing here is live, else it keeps it and the newcomer warns naming this process.
   Of its own directory removed and recreated, it gives the port up to the rank elected on the new lock file,
   when that rank asks, and only then.
-* **Its logs** go to a bounded file in the directory (LOG_NAME), from the start, which /healthz names.  Never
+* **Its logs** go to a bounded file in the directory (app.address.confine), from the start, which /healthz names.  Never
   to a terminal: its stdout is its starter's status pipe (then /dev/null), its stderr /dev/null.
 
-Signals: SIGTERM ends it cleanly (the address is given up); SIGUSR1 asks it to yield the port; the terminal's
-signals are ignored (they are for the job).  Handlers only write to the wake pipe: one loop (``_Server.run``)
-decides everything, as gunicorn's arbiter does.
+Signals: SIGTERM means finish, then go: with no rank live, it goes on publishing the departed ranks' final
+values (new connections included) until their TTL, at most ``drain_max_s``, and /healthz says until when; with a
+rank live, it gives the address up at once (the job's ranks take it over).  A second SIGTERM, SIGINT or SIGQUIT
+ends it at once.  SIGUSR1 asks it to yield the port; the terminal's other signals are ignored (its session is
+its own: they can only come from someone who means the job).  Handlers only write to the wake pipe: one loop
+(``_Server.run``) decides everything, as gunicorn's arbiter does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
@@ -44,13 +46,20 @@ import os
 import select
 import signal
 import socket
-import stat
 import time
-from pathlib import Path
 from typing import Any
 
-from app.collector import Collection, Collector
-from app.health import OwnerWatch, health_warnings, owner_doc, replaced_warning
+from app.address.confine import LogFile, drop_capabilities, log_path, log_to_file
+from app.collector import Collection, Collector, drain_s
+from app.config import DRAIN_ENV
+from app.health import (
+    OwnerWatch,
+    draining_warning,
+    health_warnings,
+    owner_doc,
+    pid_namespace_warning,
+    replaced_warning,
+)
 from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch
 from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, process_state
 from app.server import serve_in_thread
@@ -62,24 +71,13 @@ log = logging.getLogger("nixl_prometheus_mp")
 
 CHECK_S = 10.0  # while a store is live: how often the directory is looked at (at most the TTL, at least MIN_CHECK_S)
 MIN_CHECK_S = 1.0
-LOG_NAME = "nixl-server.{address}.log"  # in the directory
-LOG_MAX_BYTES = 1 << 20  # the log file is rotated at this size, one old file kept: at most 2 MiB
 KILL_WAIT_S = 2.0  # how long an exiting server lets the answers being written finish
 STOP_LOOK_S = 1.0  # how often a spare asks the kernel whether its server is stopped (the server's death wakes it)
 SPARE_RETRY_MIN_S, SPARE_RETRY_MAX_S = 0.5, 30.0  # between starts of a spare that keeps failing to start
 _SPARE_EXIT_WAIT_S = 5.0  # an exiting server waits this long for its spare's end (SIGKILLed: milliseconds)
-_TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>
-_PR_SET_SECUREBITS, _SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 28, 1 << 0, 1 << 1  # <linux/securebits.h>
-_PR_SET_NO_NEW_PRIVS = 38
+_TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 _SCARCE = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 _STATUS_FD = 1  # the starter's status pipe, until this process serves (or, a spare, waits)
-
-
-def log_path(directory: Path, address: str) -> Path:
-    """The file a server's records go to."""
-    return directory / LOG_NAME.format(address=address.replace("/", "_"))
 
 
 def next_check_s(collection: Collection, ttl_s: float) -> float | None:
@@ -99,6 +97,10 @@ def main(state_json: str) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for signum in _TERMINAL_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        # Until the server's loop handles them (a spare, all its life): end at once, quietly (not Python's
+        # KeyboardInterrupt, nor SIGQUIT's core dump); a host's SIG_IGN, which exec keeps, is undone.
+        signal.signal(signum, lambda signum, frame: os._exit(0))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a host may have ignored it: exec keeps SIG_IGN
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)  # (stdin was the bootstrap)
@@ -108,12 +110,15 @@ def main(state_json: str) -> None:
         args = ServerArgs.from_json(state["args"])
         spare = state["role"] == "spare"
         set_os_name(SPARE_COMM if spare else SERVER_COMM)
-        _log_to_file(args)
-        problem = _drop_capabilities(args.directory)
-        if problem is not None:
-            log.warning("%s", problem)
-            if not spare:
-                _tell_starter(WARNING + problem)
+        nowhere = log_to_file(args)
+        if nowhere is not None:
+            _tell_starter(WARNING + nowhere)
+        contained = pid_namespace_warning()
+        for problem in (drop_capabilities(args.directory), contained and contained["message"]):
+            if problem is not None:
+                log.warning("%s", problem)
+                if not spare:  # (the server it replaces said it already)
+                    _tell_starter(WARNING + problem)
         listener = socket.socket(fileno=state["listener_fd"])
         lock_fd = state["lock_fd"]
         if spare:
@@ -146,71 +151,6 @@ def _done_telling_starter() -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, _STATUS_FD)
     os.close(null)
-
-
-class _LogFile(logging.handlers.RotatingFileHandler):
-    """The server's log file, opened as hostile input: in a shared directory, a co-tenant may have put a
-    symlink, a FIFO or a file of its own at its path.  Only a regular file of ours is written (created 0600,
-    never following a link, never blocking); anything else raises, and the server logs nowhere."""
-
-    def _open(self) -> Any:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        fd = os.open(self.baseFilename, flags, 0o600)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            os.close(fd)
-            raise OSError(errno.EPERM, f"{self.baseFilename} is not a regular file of uid {os.geteuid()}")
-        return open(fd, "a", encoding=self.encoding, errors=self.errors)
-
-
-def _log_to_file(args: ServerArgs) -> None:
-    root = logging.getLogger("nixl_prometheus_mp")
-    root.setLevel(args.log_level)
-    root.propagate = False
-    try:
-        handler: logging.Handler = _LogFile(log_path(args.directory, args.address), maxBytes=LOG_MAX_BYTES,
-                                            backupCount=1)
-        handler.setFormatter(logging.Formatter("%(asctime)s pid %(process)d %(levelname)s %(name)s: %(message)s"))
-    except OSError as exc:
-        handler = logging.NullHandler()
-        _tell_starter(WARNING + f"the address server of {args.address} logs nowhere: its log file cannot be "
-                      f"used ({exc.strerror or exc})")
-    root.addHandler(handler)
-
-
-def _drop_capabilities(directory: Path) -> str | None:
-    """Keep no capability (a root rank's server would have all of them); what it cannot do without, in words.
-
-    Its uid stays the rank's: the stores are the rank's (0600), and a reader skips stores of another owner.  The
-    listener and the lock were handed over open, so neither a low port nor the lock file needs anything.  A root
-    rank's directory of another owner (a project's group directory, 2770) is reached through its group, which the
-    server joins first (its only supplementary group); one it can reach only through a DAC override (another
-    user's private 0700 directory) is said, and nothing is served from it.  Root's capabilities never come back:
-    no exec of ours regains them (SECBIT_NOROOT, locked), nor does anything else (no_new_privs).
-    """
-    if os.geteuid() != 0:
-        return None  # an unprivileged process has no capability to drop (unless granted by file: never to python)
-    libc = ctypes.CDLL(None, use_errno=True)
-    with contextlib.suppress(OSError):
-        owner = os.stat(directory)
-        if owner.st_uid != 0:
-            os.setgroups([owner.st_gid])
-    libc.prctl(_PR_SET_SECUREBITS, _SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED, 0, 0, 0)
-    libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (ctypes.c_uint32 * 6)(0, 0, 0, 0, 0, 0)  # (effective, permitted, inheritable) x 2 words
-    if libc.capset(header, data) != 0:
-        return f"the address server could not drop its capabilities ({os.strerror(ctypes.get_errno())})"
-    try:
-        os.listdir(directory)
-    except PermissionError:
-        return (f"the address server of a root rank keeps no capability, and cannot list {directory} without "
-                "one (another user's private directory?): it serves nothing from it. Give the directory to the "
-                "run's user, or to a group (mode 2770, as docs/operations.md shows)")
-    except OSError:
-        pass  # (gone, or not there yet: the server says so as it scans)
-    return None
 
 
 # -- the spare -------------------------------------------------------------------------------------------------
@@ -277,14 +217,16 @@ class _Server:
         self.log_file = log_path(args.directory, args.address)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._signals: set[int] = set()
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1):
             signal.signal(signum, self._on_signal)
+        self._drain_until: float | None = None  # (CLOCK_MONOTONIC) after a SIGTERM: when to go
+        self._drain_until_wall: float | None = None  # ... the same, for /healthz
         election = self.election = OwnerElection(args.directory, args.address, problem=args.problem)
         if lock_fd is not None:
             election.adopt(lock_fd)  # (no unlock and relock: the lock stays held throughout)
         owners = OwnerWatch(args.directory, args.address)
         self.collector = Collector(args.directory, args.stale_ttl_s)
-        logs_nowhere = not any(isinstance(h, _LogFile) for h in logging.getLogger("nixl_prometheus_mp").handlers)
+        logs_nowhere = not any(isinstance(h, LogFile) for h in logging.getLogger("nixl_prometheus_mp").handlers)
 
         def owner() -> dict[str, Any]:
             return owner_doc(pid=os.getpid(), agent_name=args.agent_name, address=args.address, mode="in-process",
@@ -292,9 +234,13 @@ class _Server:
                              serving="helper", started_by=args.started_by,
                              log_file=None if logs_nowhere else str(self.log_file))
 
+        contained = [warning] if (warning := pid_namespace_warning()) is not None else []
+
         def warnings() -> list[Any]:
             replaced = [] if args.replaced_at is None else [replaced_warning(args.directory, args.replaced_at)]
-            return replaced + health_warnings(owners, election)
+            until = self._drain_until_wall
+            return (replaced + ([] if until is None else [draining_warning(until)]) + contained
+                    + health_warnings(owners, election))
 
         self.app = MetricsApp(self.collector, owner, warnings, on_scrape=owners.poll)
         self.server, self.thread = serve_in_thread(listener, self.app, f"nixl-server-{args.address}")
@@ -333,6 +279,8 @@ class _Server:
         lost_since: float | None = None  # the directory has been out of sight since then
         while True:
             now = time.monotonic()
+            if self._drain_until is not None and now >= self._drain_until:
+                return "told to stop (SIGTERM), once the departed ranks' final values were published"
             if now >= check_at:
                 collection = self.collector.collect()
                 left_s = None if collection.scan_error is not None else next_check_s(collection, self.args.stale_ttl_s)
@@ -363,6 +311,8 @@ class _Server:
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             wake_at = check_at if self._spare is not None or not self.election.held else min(check_at, self._spare_at)
+            if self._drain_until is not None:
+                wake_at = min(wake_at, self._drain_until)
             if self._spare is not None:
                 if self._spare.started.status_fd >= 0:
                     poller.register(self._spare.started.status_fd, select.POLLIN)
@@ -379,8 +329,18 @@ class _Server:
                 with contextlib.suppress(OSError):
                     os.read(self._wake_r, 4096)
                 signals, self._signals = self._signals, set()
+                if signals & {signal.SIGINT, signal.SIGQUIT}:
+                    return "SIGINT or SIGQUIT"
                 if signal.SIGTERM in signals:
-                    return "SIGTERM"
+                    if self._drain_until is not None:
+                        return "a second SIGTERM"
+                    left_s = drain_s(self.collector.collect(), self.args.drain_max_s)
+                    if left_s is None:
+                        return "SIGTERM"
+                    self._drain_until, self._drain_until_wall = now + left_s, time.time() + left_s
+                    log.info("SIGTERM: no rank of %s is live; %s goes on publishing their final values for %.1f s "
+                             "(until their TTL, at most %s=%g s), then exits; a second SIGTERM ends it at once",
+                             self.args.directory, self.args.address, left_s, DRAIN_ENV, self.args.drain_max_s)
                 if signal.SIGUSR1 in signals:
                     collection = self.collector.collect()
                     if self._replaced():

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
+import signal
 import socket
+import struct
 import time
+from collections.abc import Callable
+from typing import Any
 
-from app.config import Config
+from app.collector import Collector, drain_s
+from app.config import DRAIN_ENV, Config
 from app.probe import die_with_parent, get_healthz, lock_holder_pid, port_holders
 from election import Outcome, OwnerElection, lock_file_name
 
@@ -27,14 +33,28 @@ class _MasterState:
     election: OwnerElection | None = None
     pid: int | None = None
     since: float | None = None
+    # After a SIGTERM, when the master exits (time.time()): in a page shared with the workers, which were forked
+    # before the signal and answer /healthz.
+    _drain_page = mmap.mmap(-1, 8)
+
+    @property
+    def draining_until(self) -> float | None:
+        until = struct.unpack_from("d", self._drain_page)[0]
+        return until or None
+
+    @draining_until.setter
+    def draining_until(self, until: float) -> None:
+        struct.pack_into("d", self._drain_page, 0, until)
 
 
 master = _MasterState()
 _WAIT_S = 0.2  # how often a waiting aggregator retries the election (as often as a rank's writers do)
 
 
-def hold_election(config: Config) -> Outcome:
-    """Block until this process owns ``config.address`` (or the lock is unusable).
+def hold_election(config: Config, wait: Callable[[float], bool]) -> Outcome | None:
+    """Block until this process owns ``config.address`` (or the lock is unusable); None once ``wait`` (which
+    sleeps up to the given seconds) says a stop signal came: as a container's PID 1, a process has no default
+    action for SIGTERM, so a wait without a handler would ignore it until the grace period's SIGKILL.
 
     While another process holds the election (a rank serving in-process,
     another aggregator), the aggregator waits rather than fight it for the
@@ -58,9 +78,41 @@ def hold_election(config: Config) -> Outcome:
                 log.warning("%s holds the owner election of %s; the aggregator waits for the address (until "
                             "that process exits: an address server does once its job's ranks are gone and past "
                             "their TTL)", holder, config.address)
-        time.sleep(_WAIT_S)
+        if wait(_WAIT_S):
+            election.release()
+            log.info("told to stop while waiting for %s: exiting", config.address)
+            return None
     master.election, master.pid, master.since = election, os.getpid(), time.time()
     return outcome
+
+
+def drain_time(config: Config) -> float | None:
+    """SIGTERM means finish, then go: how long to go on publishing the departed ranks' final values (None: go at
+    once), said in the log and, through ``master.draining_until``, in /healthz."""
+    left_s = drain_s(Collector(config.directory, config.stale_ttl_s).collect(), config.drain_max_s)
+    if left_s is not None:
+        master.draining_until = time.time() + left_s
+        log.info("SIGTERM: no rank of %s is live; the aggregator goes on publishing their final values for %.1f s "
+                 "(until their TTL, at most %s=%g s), then exits; a second SIGTERM ends it at once",
+                 config.directory, left_s, DRAIN_ENV, config.drain_max_s)
+    return left_s
+
+
+def drain_on_sigterm(arbiter: Any, config: Config) -> None:
+    """(gunicorn's when_ready) Make the arbiter's SIGTERM a drain: its handler only queues the signal, and the
+    arbiter's loop runs ``handle_term``, replaced here.  The drain's end is a SIGTERM queued by an alarm (the
+    second, which stops gunicorn gracefully, as its own SIGTERM does); SIGINT and SIGQUIT stay immediate."""
+    stop = arbiter.handle_term
+
+    def handle_term() -> None:
+        if master.draining_until is None:
+            left_s = drain_time(config)
+            if left_s is not None:
+                signal.signal(signal.SIGALRM, lambda signum, frame: arbiter.signal(signal.SIGTERM, frame))
+                signal.setitimer(signal.ITIMER_REAL, left_s)
+                return
+        stop()
+    arbiter.handle_term = handle_term
 
 
 def describe_holder(config: Config, pid: int | None) -> tuple[str, bool]:

@@ -13,7 +13,7 @@ from typing import Any
 from app.aggregator.hooks import master
 from app.collector import Collector
 from app.config import Config, ConfigError
-from app.health import OwnerWatch, health_warnings, owner_doc
+from app.health import OwnerWatch, draining_warning, health_warnings, owner_doc
 from app.web import MetricsApp
 from election import OwnerElection
 
@@ -45,7 +45,8 @@ def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
             "this aggregator holds no owner election (gunicorn was started without "
             "-c python:app.gunicorn_conf): ranks configured for the same address would fight it for the port"),
             "details": {"address": config.address}})
-    return warnings
+    until = master.draining_until
+    return warnings if until is None else [draining_warning(until), *warnings]
 
 
 def build_app(config: Config, serving: str = "gunicorn") -> MetricsApp:

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.cli.common import DURATION, PROG, RATE, CliError, Parser, StopSignals, error_count
+from app.cli.common import DURATION, PROG, RATE, CliError, Parser, error_count
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
 from app.probe import (
@@ -33,6 +33,7 @@ from app.probe import (
     runs_helper_command,
     signal_address_server,
 )
+from app.stopsignals import StopSignals
 from store import EventType
 
 RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
@@ -280,8 +281,9 @@ def _stop_server(port: int) -> None:
         ours = [pid for pid in holders if is_address_server(pid, address, (SERVER_COMM, SPARE_COMM))]
         if holders and not any(runs_helper_command(pid, address) for pid in holders):
             return  # another program's listener: not the demo's to stop
-        for pid in ours:  # SIGTERM: a server gives the port up (its spare first) and exits; a spare just ends
-            signal_address_server(pid, address, signal.SIGTERM, (SERVER_COMM, SPARE_COMM))
+        for pid in ours:  # SIGINT: a server gives the port up at once (its spare first; SIGTERM would let it
+            # finish publishing first) and exits; a spare just ends
+            signal_address_server(pid, address, signal.SIGINT, (SERVER_COMM, SPARE_COMM))
         time.sleep(0.02)
 
 

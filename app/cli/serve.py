@@ -7,24 +7,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import time
 
-from app.cli.common import PROG, CliError, StopSignals
+from app.cli.common import PROG, CliError
 from app.config import Config
+from app.stopsignals import StopSignals
 
 log = logging.getLogger("nixl_prometheus_mp.cli")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.aggregator.hooks import hold_election, port_problem, release_election
+    from app.aggregator.hooks import drain_time, hold_election, port_problem, release_election
     from app.aggregator.settings import prepare_standalone
     from app.aggregator.wsgi import build_app
     from app.server import bind_listener, serve_in_thread
 
     config = Config.from_env()
     prepare_standalone(config)
-    hold_election(config)
     stop = StopSignals()
+    if hold_election(config, stop.wait) is None:
+        stop.close()
+        return 0
     try:
         try:
             sock = bind_listener(config.host, config.port)
@@ -36,8 +41,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             sock.close()  # the server serves its own duplicate
         log.info("serving %s on http://%s/metrics", config.directory, config.address)
-        while not stop.wait(0.5) and thread.is_alive():
-            pass
+        drain_end: float | None = None
+        while thread.is_alive() and (drain_end is None or time.monotonic() < drain_end):
+            if not stop.wait(0.5 if drain_end is None else min(0.5, drain_end - time.monotonic())):
+                continue
+            if stop.signum != signal.SIGTERM or drain_end is not None or (left_s := drain_time(config)) is None:
+                break  # SIGINT or SIGHUP, a second SIGTERM, or nothing to finish: at once
+            drain_end = time.monotonic() + left_s
+            stop.rearm()  # the next stop signal ends the drain
         server.shutdown()
         thread.join(timeout=5)
     finally:

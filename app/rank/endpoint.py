@@ -63,6 +63,7 @@ class ServerSpec:
 
     directory: Path
     stale_ttl_s: float
+    drain_max_s: float
     address: str
     agent_name: str | None
 
@@ -225,7 +226,8 @@ class ScrapeEndpoint:
         since = time.time()
         args = ServerArgs(address=self.address, directory=self.spec.directory, has_lock=self.election.descriptor
                           is not None, problem=self.election.problem, started_by=os.getpid(),
-                          agent_name=self.spec.agent_name, stale_ttl_s=self.spec.stale_ttl_s, serving_since=since,
+                          agent_name=self.spec.agent_name, stale_ttl_s=self.spec.stale_ttl_s,
+                          drain_max_s=self.spec.drain_max_s, serving_since=since,
                           replaced_at=self.replaced_at, log_level=logging.getLogger("nixl_prometheus_mp")
                           .getEffectiveLevel())
         try:

@@ -84,8 +84,8 @@ def _start_endpoint(config: Config, agent_name: str, writer: StoreWriter) -> tup
 
     app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings,
                      on_scrape=lambda: endpoint.watch())
-    spec = None if config.serve == "thread" else ServerSpec(config.directory, config.stale_ttl_s, config.address,
-                                                            agent_name)
+    spec = None if config.serve == "thread" else ServerSpec(config.directory, config.stale_ttl_s, config.drain_max_s,
+                                                            config.address, agent_name)
     endpoint = ScrapeEndpoint(election, config.host, config.port, app, spec, on_watch=owners.poll,
                               has_store=lambda: writer.path.exists())
     return endpoint, owners
