@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from app.config import SERVE_MODES
-from bench import scenarios, succession
+from bench import pods, scenarios, succession
 from bench.common import fmt_ratio, log, machine, median, ratio, table
 from bench.scenarios import ONE_CONNECTION_REQUESTS, PLUGIN_SIDES, Results, Settings
 
-SCENARIOS = ("record", "threads", "scrape", "plugin", "busy", "takeover", "succession", "frozen", "respawn", "memory")
+SCENARIOS = ("record", "threads", "scrape", "plugin", "busy", "takeover", "succession", "frozen", "respawn", "memory",
+             "pods")
 FLAT_LIMIT = 1.5
 PLUGIN_TARGET = 1.5  # our scrape at least this much faster than the C++ plug-in's, at every size
 EOF_LIMIT_S = 0.001  # with Connection: close, the server's EOF at most this long after the body's last byte
@@ -450,6 +451,7 @@ def _targets(results: Results, settings: Settings) -> list[list[str]]:
         rows.append([f"scrape >= {PLUGIN_TARGET}x faster than the C++ plug-in", results.plugin_missing, "-"])
     rows += _serving_targets(results, settings)
     rows += succession.targets(results)
+    rows += pods.targets(results)
     return rows
 
 
@@ -483,6 +485,7 @@ def report(results: Results, settings: Settings, info: dict[str, str], command: 
     lines += _busy_section(results, settings)
     lines += _takeover_section(results, settings)
     lines += succession.section(results)
+    lines += pods.section(results)
     lines += _frozen_section(results, settings)
     lines += _respawn_section(results, settings)
     lines += _helper_cost_section(results)
@@ -529,6 +532,8 @@ def main(argv: list[str]) -> int:
         scenarios.frozen(settings, results)
     if "succession" in chosen:
         succession.succession(settings, results)
+    if "pods" in chosen:
+        pods.pods(settings, results)
     if "respawn" in chosen:
         scenarios.respawn(settings, results)
     if "memory" not in chosen:

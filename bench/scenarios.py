@@ -88,6 +88,7 @@ class Results:
     respawn: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     respawn_failures: int = 0
     succession: dict[str, Any] = field(default_factory=dict)  # bench/succession.py's figures
+    pods: dict[str, Any] = field(default_factory=dict)  # bench/pods.py's figures
     helper_start: list[float] = field(default_factory=list)  # an Exporter's construction to its helper serving
     helper_rss_kib: list[int] = field(default_factory=list)  # a helper serving one rank, after a scrape
     fs: str = "?"
