@@ -44,6 +44,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import store
+from app.exposition import ENDPOINT_PREFIX
 
 PROJECT_ROOT = Path(store.__file__).resolve().parents[1]
 HOSTNAME = socket.gethostname()
@@ -249,10 +250,13 @@ def gunzip(body: bytes) -> bytes:
 # -- exposition -----------------------------------------------------------------------------------------------
 
 
-def parse_exposition(text: str) -> dict[SeriesKey, float]:
-    """Prometheus text exposition -> {(sample name, frozenset(labels.items())): value}."""
+def parse_exposition(text: str, own: bool = False) -> dict[SeriesKey, float]:
+    """Prometheus text exposition -> {(sample name, frozenset(labels.items())): value}: NIXL's series, and the
+    endpoint's own (nixl_prometheus_mp_*: the job's live and departed ranks, draining) only when ``own``."""
     samples: dict[SeriesKey, float] = {}
     for family in text_string_to_metric_families(text):
+        if not own and family.name.startswith(ENDPOINT_PREFIX):
+            continue
         for sample in family.samples:
             key = (sample.name, frozenset(sample.labels.items()))
             assert key not in samples, f"duplicate series {key}"
@@ -787,3 +791,35 @@ def server_log(pid: int) -> str:
             if os.path.basename(target).startswith("nixl-server.") and ".log" in target:
                 return Path(f"/proc/{pid}/fd/{fd}").read_text(errors="replace")
     return ""
+
+
+class Scraper:
+    """A Prometheus: GET /metrics every ``interval_s`` (after ``offset_s``) from a thread; keeps what each scrape
+    saw, as ``read`` makes it of the exposition's text ({series key: value}), None for a failed scrape."""
+
+    def __init__(self, port: int, interval_s: float, offset_s: float = 0.0,
+                 read: Callable[[str], Mapping[Any, float]] = lambda text: {}) -> None:
+        self.port, self.interval_s, self.offset_s, self.read = port, interval_s, offset_s, read
+        self.scrapes: list[tuple[float, Mapping[Any, float] | None]] = []  # (monotonic, what it saw or None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._stop.wait(self.offset_s)
+        while not self._stop.is_set():
+            text = try_scrape(self.port, timeout=5.0)
+            self.scrapes.append((time.monotonic(), None if text is None else self.read(text)))
+            self._stop.wait(self.interval_s)
+
+    def saw_since(self, since: float, truth: Mapping[Any, float]) -> bool:
+        """Whether a scrape sent after ``since`` (CLOCK_MONOTONIC) saw every value of ``truth``."""
+        return any(seen is not None and all(seen.get(key) == value for key, value in truth.items())
+                   for at, seen in self.scrapes if at > since)
+
+    def failures(self) -> int:
+        return sum(seen is None for _, seen in self.scrapes)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(DEADLINE_S)

@@ -26,6 +26,7 @@ from support import (
     START_DEADLINE_S,
     RankProcess,
     Reaper,
+    Scraper,
     can_bind,
     free_port,
     healthz,
@@ -116,36 +117,6 @@ def _final_values(directory: Path) -> dict[int, int]:
     return {s.pid: s.counters[EventType.AGENT_RX_REQUESTS_NUM] for s in snaps if isinstance(s, Snapshot)}
 
 
-class Scraper:
-    """A Prometheus of an HA pair: scrapes every ``interval_s`` from a thread; keeps what each scrape saw."""
-
-    def __init__(self, port: int, interval_s: float, offset_s: float = 0.0) -> None:
-        self.port, self.interval_s = port, interval_s
-        self.scrapes: list[tuple[float, dict[int, float] | None]] = []  # (monotonic, counts or None: failed)
-        self._stop = threading.Event()
-        self._offset_s = offset_s
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        self._stop.wait(self._offset_s)
-        while not self._stop.is_set():
-            text = try_scrape(self.port, timeout=5.0)
-            self.scrapes.append((time.monotonic(), None if text is None else _counts(text)))
-            self._stop.wait(self.interval_s)
-
-    def saw_since(self, since: float, truth: dict[int, int]) -> bool:
-        return any(counts is not None and all(counts.get(pid) == value for pid, value in truth.items())
-                   for at, counts in self.scrapes if at > since)
-
-    def failures(self) -> int:
-        return sum(counts is None for _, counts in self.scrapes)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(DEADLINE_S)
-
-
 class Poller:
     """GET /metrics every 5 ms on a fresh connection, from a thread: how many were answered, and when each
     failed one was sent (CLOCK_MONOTONIC)."""
@@ -197,7 +168,7 @@ def test_a_jobs_final_values_reach_both_scrapers_of_an_ha_pair(tmp_dir: Path, re
     starter = wait_until(lambda: _owner(port)["started_by"], message="the server naming the rank that started it")
     order = sorted(ranks, key=lambda r: (r.pid == starter) != starter_first)
     assert (order[0].pid == starter) == starter_first
-    scrapers += [Scraper(port, 1.0), Scraper(port, 1.0, offset_s=0.5)]
+    scrapers += [Scraper(port, 1.0, read=_counts), Scraper(port, 1.0, offset_s=0.5, read=_counts)]
     wait_until(lambda: all(len(s.scrapes) >= 1 for s in scrapers), message="both scrapers scraping")
     for rank in order:
         os.kill(rank.pid, signum)
@@ -379,7 +350,7 @@ def test_a_new_run_in_the_same_directory_is_served_without_a_failed_scrape(tmp_d
     server = _server(port)
     old.send("close")
     old.readline()
-    scrapers.append(Scraper(port, 0.02))
+    scrapers.append(Scraper(port, 0.02, read=_counts))
     new = _start(reaper, tmp_dir, port, rate=0)
     wait_until(lambda: new.pid in _counts(try_scrape(port)), message="the new run's rank published")
     assert _owner(port)["server_pid"] == server

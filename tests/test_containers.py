@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import sys
-import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +21,11 @@ from support import (
     DEADLINE_S,
     START_DEADLINE_S,
     Reaper,
+    Scraper,
     children_of,
     free_port,
     get_json,
     kill_server_and_spare,
-    try_scrape,
     wait_until,
 )
 from support_e2e import (
@@ -42,6 +42,7 @@ from support_e2e import (
 
 from app import Exporter
 from app.probe import SERVER_COMM, is_address_server, listening_pids
+from bench.pods import COUNTING_RANK, POD_TTL_S, SCRAPERS  # (the bench's pod, measured there 10 times)
 from store import EventType, Snapshot, read_snapshot
 
 CONTAINER_MESSAGE = "runs in a PID namespace of its own (a container)"
@@ -147,46 +148,8 @@ def test_a_rank_of_another_user_than_the_directorys_is_told_its_store_goes_unpub
     assert len(said) == 1 and "skips the stores of other users" in said[0] and "runAsUser" in said[0], said
 
 
-# A rank that counts a request every 20 ms until SIGTERM, then closes its Exporter (as a NIXL job's rank does on
-# the kubelet's SIGTERM): its last second is what a pod's end loses if nothing publishes it after.
-COUNTING_RANK = """
-import signal, threading
-from app import Exporter
-from store import EventType
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())
-with Exporter("pod-rank") as exp:
-    while not stop.wait(0.02):
-        exp.export_event(EventType.AGENT_RX_REQUESTS_NUM, 1)
-"""
-POD_TTL_S = 4.0  # scaled down with the scrape intervals: a scrape every 3 s still lands within it
-
-
-class RankScraper:
-    """A Prometheus: scrapes every ``interval_s`` from a thread; keeps each answer's requests counted by rank."""
-
-    def __init__(self, port: int, interval_s: float, offset_s: float) -> None:
-        self.port, self.interval_s, self.offset_s = port, interval_s, offset_s
-        self.scrapes: list[dict[str, float] | None] = []  # None: a failed scrape
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        self._stop.wait(self.offset_s)
-        while not self._stop.is_set():
-            text = try_scrape(self.port, timeout=5.0)
-            self.scrapes.append(None if text is None else by_rank(parse_text(text.encode()),
-                                                                  "agent_rx_requests_num_total"))
-            self._stop.wait(self.interval_s)
-
-    def saw(self, truth: dict[str, int]) -> bool:
-        return any(seen is not None and all(seen.get(rank) == value for rank, value in truth.items())
-                   for seen in self.scrapes)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(DEADLINE_S)
+def _requests_by_rank(text: str) -> dict[str, float]:
+    return by_rank(parse_text(text.encode()), "agent_rx_requests_num_total")
 
 
 def _final_counts(directory: Path) -> dict[str, int]:
@@ -214,7 +177,8 @@ def test_a_pods_end_with_the_sidecar_gives_every_scraper_every_ranks_final_value
                                                                                  LOCAL_RANK=str(i), **env))
                  for i in range(3)]
         wait_until(lambda: len(_final_counts(directory)) == 3, START_DEADLINE_S, "three ranks recording")
-        scrapers = [RankScraper(port, 1.0, 0.0), RankScraper(port, 1.0, 0.5), RankScraper(port, 3.0, 0.25)]
+        scrapers = [Scraper(port, interval, offset, _requests_by_rank) for interval, offset in SCRAPERS]
+        ended = time.monotonic()
         try:
             kubelet_stop(ranks, [sidecar])
         finally:
@@ -223,4 +187,4 @@ def test_a_pods_end_with_the_sidecar_gives_every_scraper_every_ranks_final_value
         truth = _final_counts(directory)
         assert sorted(truth) == ["0", "1", "2"]
         for scraper in scrapers:
-            assert scraper.saw(truth), (scraper.interval_s, truth, scraper.scrapes[-3:])
+            assert scraper.saw_since(ended, truth), (scraper.interval_s, truth, scraper.scrapes[-3:])
