@@ -13,7 +13,7 @@ import re
 import shlex
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -156,9 +156,11 @@ def shell_commands(markdown: str, heading: str) -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
-def kubelet_stop(containers: Sequence[Proc], sidecars: Sequence[Proc] = (), timeout: float = 60.0) -> None:
+def kubelet_stop(containers: Sequence[Proc], sidecars: Sequence[Proc] = (), timeout: float = 60.0,
+                 between: Callable[[], object] = lambda: None) -> None:
     """A pod's end, in the kubelet's order: SIGTERM to every app container at once, each one's exit awaited
-    (exit status 0), then to the sidecars, the last started first, each awaited in turn.
+    (exit status 0), then ``between()`` (to read what the ranks left, before a sidecar reaps it after the TTL),
+    then SIGTERM to the sidecars, the last started first, each awaited in turn.
 
     A container here is a process started as ``unshare --pid --fork ... COMMAND``: the runtime signals the
     namespace's first process (the child ``unshare`` forked), not ``unshare``; any other process is signalled
@@ -173,6 +175,7 @@ def kubelet_stop(containers: Sequence[Proc], sidecars: Sequence[Proc] = (), time
         os.kill(first_process(proc), signal.SIGTERM)
     for proc in containers:
         assert proc.popen.wait(timeout) == 0, proc.output
+    between()
     for proc in reversed(sidecars):
         os.kill(first_process(proc), signal.SIGTERM)
         assert proc.popen.wait(timeout) == 0, proc.output

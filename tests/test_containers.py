@@ -179,12 +179,12 @@ def test_a_pods_end_with_the_sidecar_gives_every_scraper_every_ranks_final_value
         wait_until(lambda: len(_final_counts(directory)) == 3, START_DEADLINE_S, "three ranks recording")
         scrapers = [Scraper(port, interval, offset, _requests_by_rank) for interval, offset in SCRAPERS]
         ended = time.monotonic()
-        try:
-            kubelet_stop(ranks, [sidecar])
+        truth: dict[str, int] = {}
+        try:  # (the ranks' final values are read before the sidecar reaps their stores after the TTL)
+            kubelet_stop(ranks, [sidecar], between=lambda: truth.update(_final_counts(directory)))
         finally:
             for scraper in scrapers:
                 scraper.close()
-        truth = _final_counts(directory)
         assert sorted(truth) == ["0", "1", "2"]
         for scraper in scrapers:
             assert scraper.saw_since(ended, truth), (scraper.interval_s, truth, scraper.scrapes[-3:])

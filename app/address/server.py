@@ -114,7 +114,7 @@ def main(state_json: str) -> None:
         if nowhere is not None:
             _tell_starter(WARNING + nowhere)
         contained = pid_namespace_warning()
-        for problem in (drop_capabilities(args.directory), contained and contained["message"]):
+        for problem in (drop_capabilities(args.directory), None if contained is None else str(contained["message"])):
             if problem is not None:
                 log.warning("%s", problem)
                 if not spare:  # (the server it replaces said it already)
@@ -242,7 +242,8 @@ class _Server:
             return (replaced + ([] if until is None else [draining_warning(until)]) + contained
                     + health_warnings(owners, election))
 
-        self.app = MetricsApp(self.collector, owner, warnings, on_scrape=owners.poll)
+        self.app = MetricsApp(self.collector, owner, warnings, on_scrape=owners.poll,
+                              draining=lambda: self._drain_until is not None)
         self.server, self.thread = serve_in_thread(listener, self.app, f"nixl-server-{args.address}")
         if tell_starter:
             _tell_starter(READY + str(os.getpid()))
