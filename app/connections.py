@@ -6,6 +6,7 @@ BoundedServer admits, dispatches and cuts them.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import socket
 import threading
@@ -16,6 +17,10 @@ from typing import Any
 from app.threads import new_thread
 
 REQUEST_TIMEOUT_S = 10.0  # from a request's first byte (a new connection's accept) to the end of its answer
+# ... less the time our app takes to compute the answer, plus the time the answer's bytes take at this rate: a
+# reader that takes a large answer (a directory of 50k stores: hundreds of MB) steadily is never cut, one that
+# stops reading is, REQUEST_TIMEOUT_S after the answer began.
+MIN_SEND_RATE = 1 << 20  # bytes per second
 IDLE_S = 90.0  # a persistent connection waits this long for its next request (Prometheus scrapes every 15-60 s)
 SPARE_WORKERS = 2  # pool threads left waiting for the next connection...
 SPARE_IDLE_S = 2.0  # ...for this long at most: an idle process gets back to its own threads
@@ -143,6 +148,22 @@ class Connections:
             del self._idle[sock]
             self._deadlines[sock] = time.monotonic() + self.request_timeout_s
             return True
+
+    def answering(self, sock: socket.socket) -> None:
+        """The request was read: our app computes the answer, which its deadline does not count (a large
+        directory's scan is the server's delay, not the client's; the thread is busy either way)."""
+        with self._lock:
+            if sock in self._deadlines:
+                self._deadlines[sock] = math.inf
+
+    def sent(self, sock: socket.socket, nbytes: int, first: bool) -> None:
+        """``nbytes`` of an answer went out (``first``: its first bytes): the connection has REQUEST_TIMEOUT_S from
+        the answer's start, plus what its bytes take at MIN_SEND_RATE."""
+        with self._lock:
+            if sock in self._deadlines:
+                now = time.monotonic()
+                start = now + self.request_timeout_s if first else self._deadlines[sock]
+                self._deadlines[sock] = start + nbytes / MIN_SEND_RATE
 
     def in_time(self, sock: socket.socket) -> bool:
         """Whether a connection is open and within its deadline (not cut)."""

@@ -7,8 +7,9 @@ WSGIRequestHandler builds the WSGI environ; what is ours is what happens around 
 * **Persistent HTTP/1.1 connections.**  werkzeug answers every request with ``Connection: close``; Prometheus keeps
   one connection per target.  A connection here serves up to MAX_REQUESTS requests, waits at most IDLE_S for the
   next one, and is closed at once (rather than a new one refused) when the server is full; each request still
-  has REQUEST_TIMEOUT_S from its first byte to its answer's last, so a client trickling its request is cut
-  (app.connections keeps the deadlines).
+  has REQUEST_TIMEOUT_S from its first byte until our app computes, then REQUEST_TIMEOUT_S from its answer's start
+  plus what its bytes take at MIN_SEND_RATE, so a client trickling its request or not reading its answer is cut,
+  and one reading a large answer steadily is not (app.connections keeps the deadlines).
 * **No linger after the answer.**  werkzeug waits (10 ms) for more of the request to arrive after each answer,
   holding the connection, its thread and the client's EOF for that long; here a request's body is read exactly as
   far as it was declared, and only a body we stopped reading is drained, after the client was told EOF.
@@ -149,12 +150,14 @@ def _http_date() -> str:
     return _date_cache[1]
 
 
-def send_all(sock: socket.socket, buffers: list[bytes]) -> None:
+def send_all(sock: socket.socket, buffers: list[bytes],
+             progress: Callable[[int], None] = lambda sent: None) -> None:
     """Send every buffer, in order, with as few system calls as the kernel allows (one, for an answer that fits
-    its send buffer)."""
+    its send buffer); ``progress`` hears how many bytes each call sent."""
     views = [memoryview(b) for b in buffers if b]
     while views:
         sent = sock.sendmsg(views[:_MAX_IOV])
+        progress(sent)
         while views and sent >= len(views[0]):
             sent -= len(views.pop(0))
         if sent:
@@ -264,6 +267,7 @@ class PersistentHandler(WSGIRequestHandler):
         head_only = self.command == "HEAD"
         answer = _Answer()
         app_iter: Iterable[bytes] = ()
+        connections.answering(self.connection)
         try:
             app_iter = self.server.app(environ, answer.start_response)  # type: ignore[attr-defined]
             for data in app_iter:
@@ -315,8 +319,15 @@ class PersistentHandler(WSGIRequestHandler):
             else:
                 head.append("\r\n")
             buffers = ["".join(head).encode("latin-1"), *buffers]
-            answer.sent_head = True
-        send_all(self.connection, buffers)
+        connections: Connections = self.server.connections  # type: ignore[attr-defined]
+        first, answer.sent_head = not answer.sent_head, True
+
+        def progress(sent: int) -> None:
+            nonlocal first
+            connections.sent(self.connection, sent, first)
+            first = False
+        progress(0)  # (the answer's deadline starts as it begins, whatever the first call sends)
+        send_all(self.connection, buffers, progress)
         answer.chunks, answer.waiting = [], 0
 
     def _drain_after_eof(self, body: _BodyReader) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -244,9 +245,9 @@ def test_each_answer_is_one_write(served: Served, monkeypatch: pytest.MonkeyPatc
     writes: list[int] = []
     send_all = app.http.send_all
 
-    def counted(sock: socket.socket, buffers: list[bytes]) -> None:
+    def counted(sock: socket.socket, buffers: list[bytes], progress: Callable[[int], None]) -> None:
         writes.append(len(buffers))
-        send_all(sock, buffers)
+        send_all(sock, buffers, progress)
 
     monkeypatch.setattr(app.http, "send_all", counted)
     client = served.client()
@@ -286,3 +287,49 @@ def test_spare_threads_end_when_idle_or_stopped(tmp_dir: Path, monkeypatch: pyte
     server.stop()
     listener.close()
     assert not server.busy() and not thread.is_alive()
+
+
+BIG = b"x" * (8 << 20)
+
+
+@pytest.fixture
+def slow_or_big() -> Iterator[Served]:
+    """A server whose /slow takes 1 s to compute and whose /big is 8 MiB, each request given 0.5 s."""
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if environ["PATH_INFO"] == "/slow":
+            threading.Event().wait(1.0)
+        body = BIG if environ["PATH_INFO"] == "/big" else b"computed"
+        start_response("200 OK", [("Content-Length", str(len(body)))])
+        return [body]
+
+    listener = bind_listener("127.0.0.1", 0)
+    server, _ = serve_in_thread(listener, app, "test-deadlines")
+    server.connections.request_timeout_s = 0.5
+    try:
+        yield Served(server, listener.getsockname()[1], [])
+    finally:
+        server.stop()
+        listener.close()
+
+
+def test_the_deadline_does_not_count_the_time_the_server_computes(slow_or_big: Served) -> None:
+    client = slow_or_big.client()
+    answer = get(client, "/slow")  # twice the request's deadline, all of it ours
+    assert answer.status == 200
+    client.close()
+
+
+def test_a_reader_taking_a_large_answer_steadily_is_not_cut_at_the_deadline(slow_or_big: Served) -> None:
+    sock = slow_or_big.connect()
+    sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = bytearray()
+    started = time.monotonic()
+    while chunk := sock.recv(1 << 16):  # about 6 MB/s: the 8 MiB take over a second, twice the deadline
+        received += chunk
+        threading.Event().wait(0.01)
+        if received.endswith(b"x" * 64) and len(received) >= len(BIG):
+            break
+    assert time.monotonic() - started > 0.5  # (the deadline passed while it read)
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and body == BIG
+    sock.close()
