@@ -10,6 +10,14 @@ precision 16, i.e. printf's ``%.16g`` (``format_bound``); counters, gauges
 and histogram sums are u64s converted to double first (``format_value``);
 bucket and ``_count`` values are u64s written as integers.
 
+Besides NIXL's families, the endpoint publishes what it knows of the job in
+families of its own, ``nixl_prometheus_mp_*`` (``ENDPOINT_FAMILIES``,
+``endpoint_lines``): the count of live and departed ranks, and whether it is
+draining.  They come after NIXL's, only from a serving endpoint (never from
+``reference_families``), so that NIXL's families stay exactly the C++
+plug-in's, as prometheus-cpp's own ``exposer_*`` families are the plug-in's
+own.
+
 Two paths produce the same bytes.  ``reference_families`` builds ordinary
 prometheus_client metric families (``RegistryCollector`` lets users register
 a directory in their own registry; through prometheus_client's own
@@ -27,6 +35,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
 from typing import Any, cast
@@ -122,6 +131,57 @@ def _headers(openmetrics: bool) -> tuple[str, ...]:
 _TEXT_HEADERS = tuple(h.encode("utf-8") for h in _headers(openmetrics=False))
 _OM_HEADERS = tuple(h.encode("utf-8") for h in _headers(openmetrics=True))
 _OM_EOF_BYTES = b"# EOF\n"
+
+
+# -- the endpoint's own families ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """What a serving endpoint knows of its job at a scrape: ``live`` ranks (their writer holds its store),
+    ``departed`` ones (published with their final values until their TTL), and whether it is ``draining`` (told
+    to stop, SIGTERM, with no rank live: it publishes the departed ranks until their TTL, then exits)."""
+
+    live: int
+    departed: int
+    draining: bool
+
+
+# (name, HELP) of each of the endpoint's own families, all gauges.  The prefix is this exporter's name
+# (nixl-prometheus-mp), as prometheus-cpp's own series are exposer_*: none can clash with a NIXL family (agent_*),
+# and a filter on it keeps the comparison with the C++ plug-in's exposition whole (docs/format.md).
+ENDPOINT_PREFIX = "nixl_prometheus_mp_"
+ENDPOINT_FAMILIES: tuple[tuple[str, str], ...] = (
+    ("nixl_prometheus_mp_ranks",
+     "Ranks this endpoint publishes, by state: live (the rank runs) or departed (its final values, until its TTL)"),
+    ("nixl_prometheus_mp_draining",
+     "1 while this endpoint, told to stop with no rank live, publishes the departed ranks until their TTL"),
+)
+
+
+def _endpoint_headers(openmetrics: bool) -> tuple[bytes, ...]:
+    """Each own family's HELP/TYPE lines, as prometheus_client writes them (as NIXL's headers are)."""
+    out = []
+    for name, doc in ENDPOINT_FAMILIES:
+        families = _Families([Metric(name, doc, "gauge")])
+        text = (generate_openmetrics(families).decode().removesuffix("# EOF\n") if openmetrics
+                else generate_text(families).decode())
+        out.append(text.encode("utf-8"))
+    return tuple(out)
+
+
+_ENDPOINT_TEXT_HEADERS = _endpoint_headers(openmetrics=False)
+_ENDPOINT_OM_HEADERS = _endpoint_headers(openmetrics=True)
+
+
+def endpoint_lines(state: EndpointState, openmetrics: bool = False) -> bytes:
+    """The endpoint's own families for one scrape, to follow NIXL's (before OpenMetrics' ``# EOF``)."""
+    ranks_header, draining_header = _ENDPOINT_OM_HEADERS if openmetrics else _ENDPOINT_TEXT_HEADERS
+    return b"".join((ranks_header,
+                     b'nixl_prometheus_mp_ranks{state="live"} %d\n' % state.live,
+                     b'nixl_prometheus_mp_ranks{state="departed"} %d\n' % state.departed,
+                     draining_header,
+                     b"nixl_prometheus_mp_draining %d\n" % state.draining))
 
 
 def _escape(value: str) -> str:
@@ -235,9 +295,11 @@ class Renderer:
         self._cache: dict[bytes, _RankLines] = {}
         self._lock = threading.Lock()
 
-    def render(self, snapshots: Sequence[Snapshot], openmetrics: bool = False) -> bytes:
+    def render(self, snapshots: Sequence[Snapshot], openmetrics: bool = False, tail: bytes = b"") -> bytes:
+        """NIXL's families over ``snapshots``, then ``tail`` (the endpoint's own families: ``endpoint_lines``),
+        then OpenMetrics' ``# EOF``."""
         if not snapshots:
-            return _OM_EOF_BYTES if openmetrics else b""
+            return tail + _OM_EOF_BYTES if openmetrics else tail
         # Parallel lists rather than a tuple per store: a scrape of N stores
         # allocates O(1) long-lived objects here, which keeps the cyclic GC out.
         words_of: list[array[int]] = []
@@ -261,7 +323,7 @@ class Renderer:
             # The same fill in C, without the GIL; None leaves it to the loop below (a forged store whose
             # cumulative bucket counts pass 2**64).
             body = _native.render(_OM_HEADERS if openmetrics else _TEXT_HEADERS, _PLAN, words_of, buckets_of,
-                                  [lines.small for lines in lines_of], _OM_EOF_BYTES if openmetrics else b"")
+                                  [lines.small for lines in lines_of], tail + _OM_EOF_BYTES if openmetrics else tail)
             if body is not None:
                 return cast(bytes, body)
         fmt, exact = _format_bytes, _EXACT_FLOAT_LIMIT
@@ -290,6 +352,7 @@ class Renderer:
                 for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
                     values = pick(words)
                     append(small % values if max(values) <= exact else lines.big(i) % tuple(map(fmt, values)))
+        append(tail)
         if openmetrics:
             append(_OM_EOF_BYTES)
         return b"".join(parts)

@@ -41,7 +41,7 @@ from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Response
 
 from app.collector import Collection, Collector, RankView
-from app.exposition import Renderer
+from app.exposition import EndpointState, Renderer, endpoint_lines
 from app.health import WarningDoc
 from store import native
 
@@ -49,6 +49,7 @@ log = logging.getLogger("nixl_prometheus_mp.web")
 
 OwnerInfo = Callable[[], dict[str, Any]]
 ExtraWarnings = Callable[[], list[WarningDoc]]
+Draining = Callable[[], bool]  # whether the serving process, told to stop, publishes the departed ranks until their TTL
 
 _METRICS_METHODS = ("GET", "HEAD")
 _URLS = Map([
@@ -136,6 +137,14 @@ def _rank_json(view: RankView) -> dict[str, Any]:
     return out
 
 
+def endpoint_state(collection: Collection, draining: bool) -> EndpointState | None:
+    """What /metrics says of the job in the endpoint's own families; None (nothing said) when the directory could
+    not be scanned: zero live ranks would then read as a job that ended, where the endpoint in fact broke."""
+    if collection.scan_error is not None:
+        return None
+    return EndpointState(live=len(collection.live), departed=len(collection.stale), draining=draining)
+
+
 _Format = tuple[bool, bool]  # (OpenMetrics, gzip): what a /metrics body is, given the request's headers
 
 
@@ -165,9 +174,10 @@ class SharedScrapes:
     scrapes cost at most two collections, not N.
     """
 
-    def __init__(self, collector: Collector, renderer: Renderer) -> None:
+    def __init__(self, collector: Collector, renderer: Renderer, draining: Draining = lambda: False) -> None:
         self._collector = collector
         self._renderer = renderer
+        self._draining = draining
         self._lock = threading.Lock()  # guards _waiting
         self._waiting: _Flight | None = None  # the flight requests join: its collection has not begun
         self._collecting = threading.Lock()  # held by the flight whose collection and renders are in progress
@@ -194,10 +204,12 @@ class SharedScrapes:
                     self._waiting = None  # who arrives from now on waits for the next collection, not this one
                 formats = sorted(flight.formats)
                 collection = self._collector.collect()
+                state = endpoint_state(collection, self._draining())
                 rendered: dict[bool, bytes] = {}
                 for openmetrics, _ in formats:
                     if openmetrics not in rendered:
-                        rendered[openmetrics] = self._renderer.render(collection.published, openmetrics)
+                        tail = b"" if state is None else endpoint_lines(state, openmetrics)
+                        rendered[openmetrics] = self._renderer.render(collection.published, openmetrics, tail)
                 del collection  # (its snapshots are the largest thing held while compressing)
                 for openmetrics, zipped in formats:
                     body = rendered[openmetrics]
@@ -214,16 +226,20 @@ class SharedScrapes:
 
 
 class MetricsApp:
-    """A WSGI application serving one directory of stores."""
+    """A WSGI application serving one directory of stores.
+
+    ``draining``: whether the serving process, told to stop, is publishing the departed ranks' final values
+    before it exits (the address server's, the aggregator's drain); /metrics says so in its own families.
+    """
 
     def __init__(self, collector: Collector, owner: OwnerInfo, extra_warnings: ExtraWarnings | None = None,
-                 on_scrape: Callable[[], None] | None = None) -> None:
+                 on_scrape: Callable[[], None] | None = None, draining: Draining | None = None) -> None:
         self.collector = collector
         self._owner = owner
         self._extra_warnings = extra_warnings or (lambda: [])
         self._on_scrape = on_scrape or (lambda: None)  # e.g. the owner's periodic duplicate-owner check
         self._renderer = Renderer()
-        self._scrapes = SharedScrapes(collector, self._renderer)
+        self._scrapes = SharedScrapes(collector, self._renderer, draining or (lambda: False))
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") == "/metrics" and environ.get("REQUEST_METHOD") in _METRICS_METHODS:

@@ -52,6 +52,14 @@ def _final_values(port: int, ranks: int) -> None:
                                                         for i in range(ranks)}
 
 
+def _job_state(port: int) -> tuple[float, float, float]:
+    """(live ranks, departed ranks, draining) as /metrics says them, in the endpoint's own families."""
+    samples = parse_text(http_get(f"http://127.0.0.1:{port}/metrics").body)
+    return (samples[("nixl_prometheus_mp_ranks", frozenset({("state", "live")}))],
+            samples[("nixl_prometheus_mp_ranks", frozenset({("state", "departed")}))],
+            samples[("nixl_prometheus_mp_draining", frozenset())])
+
+
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -85,6 +93,7 @@ def test_a_sigtermed_server_publishes_the_final_values_until_their_ttl_then_goes
         until = wait_until(lambda: _draining_until(port), DEADLINE_S, "/healthz saying until when it drains")
         assert until - time.time() <= TTL_S  # the last departed store's TTL, not the drain's maximum
         _final_values(port, 2)  # served on, to new connections
+        assert _job_state(port) == (0, 2, 1)  # what tells Prometheus the job ended (deploy/nixl.rules.yml)
         wait_until(lambda: _gone(server), TTL_S + DEADLINE_S, "the server's exit after the drain")
         assert time.time() >= until - 0.5, "it went before the departed ranks' TTL"
         assert not is_address_server(server, f"127.0.0.1:{port}", (SERVER_COMM,))
@@ -111,6 +120,7 @@ def test_a_sigterm_with_a_rank_live_gives_the_address_up_at_once(tmp_path: Path)
     with Reaper() as r:
         _job(r, directory, port, 1, NIXL_TELEMETRY_MP_STALE_TTL="600")
         server = _server_pid(port)
+        assert _job_state(port) == (1, 0, 0)
         started = time.monotonic()
         os.kill(server, signal.SIGTERM)
         wait_until(lambda: _gone(server), DEADLINE_S, "the server's exit")
@@ -131,6 +141,7 @@ def test_a_sigtermed_aggregator_publishes_the_final_values_until_their_ttl_then_
         stopping.start()
         until = wait_until(lambda: _draining_until(port), DEADLINE_S, "/healthz (a worker's) saying the drain")
         _final_values(port, 2)
+        assert _job_state(port) == (0, 2, 1)  # a worker's /metrics too: the drain page is shared
         stopping.join(TTL_S + 2 * DEADLINE_S)
         assert aggregator.popen.poll() == 0, aggregator.output
         assert time.time() >= until - 0.5, "it went before the departed ranks' TTL"

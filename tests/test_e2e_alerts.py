@@ -8,7 +8,10 @@ notifies a webhook served by this test. Over three events:
 2. job A ends normally (the remaining ranks' stdin closed): its ranks leave within a moment of each other and the
    address server leaves after the TTL; that is no departure;
 3. job B (2 ranks) starts on the same port right after Prometheus saw the endpoint down: A's ranks are not B's
-   departures, and the gap is shorter than ``NixlMetricsEndpointDown``'s ``for``,
+   departures, and the gap is shorter than ``NixlMetricsEndpointDown``'s ``for``;
+4. job B ends normally too, and nothing serves the port afterwards (a plain host between jobs) for longer than
+   ``NixlMetricsEndpointDown``'s ``for`` and every window of the rules: its endpoint's last answers said no rank
+   was live, so that is a job's end, not an outage,
 
 the webhook gets exactly one notification: the crashed rank's departure. That the pipe works is proven by that
 notification itself; that nothing else fired is checked in Prometheus's own ``ALERTS`` history too.
@@ -60,9 +63,12 @@ SCALINGS: tuple[tuple[str, str, int], ...] = (
     (r"(?m)^(\s+)keep_firing_for: 1m$", r"\g<1>keep_firing_for: 4s", 1),  # NixlRankDeparted
     (r"(?m)^(\s+)for: 5m$", r"\g<1>for: 20s", 1),  # NixlTransferErrors
     (r"\[10m:\]", "[40s:]", 2),  # NixlRankDeparted's windows
-    (r"\[5m\]", "[20s]", 9),  # the recording rules' rates
-    (r"\[10m\]", "[40s]", 1),  # NixlTelemetryEventsDropped
+    (r"\[5m\]", "[20s]", 10),  # the recording rules' rates, pod:nixl_job_ended:last's departures
+    (r"\[10m\]", "[40s]", 2),  # NixlTelemetryEventsDropped, pod:nixl_job_ended:last's carry
+    (r"\[2m\]", "[8s]", 1),  # pod:nixl_job_ended:last's last answer
 )
+# (NixlMetricsEndpointDown's 0.5 s is no duration of the rules but what tells a scrape timing out from one refused:
+# it stays, below the test's 1 s timeout as below production's 10 s.)
 
 
 def scale_rules(text: str) -> str:
@@ -280,6 +286,26 @@ def test_a_crashed_rank_notifies_once_and_a_job_end_or_restart_not_at_all(tmp_pa
         wait_until(settled, 60, lambda: f"job B scraped for > {3 * FOR_S} s and no alert pending\n{evidence()}")
         timeline["settled"] = time.time()
 
+        # (4) Job B ends normally too, and nothing serves the port afterwards: a plain host between jobs.
+        for proc in job_b:
+            assert proc.popen.stdin is not None
+            proc.popen.stdin.close()
+        wait_until(lambda: all(p.popen.poll() is not None for p in job_b), 30, "job B's ranks to exit")
+        timeline["job B ended"] = time.time()
+        wait_until(lambda: port_closed(port) and prom.query('up{job="nixl"} == 0'), 30,
+                   lambda: f"B's address server to leave, and Prometheus to see the endpoint down\n{evidence()}")
+        down_at = timeline["B down seen"] = time.time()
+        # Down for longer than the scaled `for` after the last answer left the scaled 8 s window of the rules: what
+        # that answer said is then carried, and anything that would fire has fired (and was notified).
+        quiet_s = 8 + 3 * FOR_S
+        wait_until(lambda: time.time() - down_at > quiet_s and prom.last_evaluation("nixl-alerts") > down_at + quiet_s
+                   and prom.last_evaluation("nixl-recording") > down_at + quiet_s, quiet_s + 30,
+                   lambda: f"{quiet_s} s of B's endpoint down, evaluated\n{evidence()}")
+        assert prom.query('up{job="nixl"} == 0'), evidence()  # (still down: nothing served the port meanwhile)
+        assert [a for a in prom.alerts() if a["labels"]["alertname"] == "NixlMetricsEndpointDown"] == [], evidence()
+        assert prom.query('pod:nixl_job_ended:last{job="nixl"} == 1'), evidence()
+        timeline["B's end settled"] = time.time()
+
         # Exactly one notification: the crashed rank's departure.
         notifications = webhook.received()
         assert len(notifications) == 1, evidence()
@@ -287,6 +313,8 @@ def test_a_crashed_rank_notifies_once_and_a_job_end_or_restart_not_at_all(tmp_pa
         assert notification["status"] == "firing", evidence()
         assert [(a["labels"]["alertname"], a["labels"]["pid"], a["status"]) for a in notification["alerts"]] == [
             ("NixlRankDeparted", crashed, "firing")], evidence()
+        for text in notification["alerts"][0]["annotations"].values():  # a plain host: no namespace, no pod
+            assert "()" not in text and "(/)" not in text, text
         # Prometheus agrees: of every alert, only that departure ever fired (the endpoint's gap never did).
         assert prom.query('count_over_time(ALERTS{alertname="NixlMetricsEndpointDown", alertstate="firing"}'
                           f'[{WHOLE_RUN}])') == [], evidence()

@@ -132,3 +132,41 @@ def test_cache_follows_departed_and_new_stores() -> None:
         snaps = [_edge_snapshot(i, i * 1_000_003, DEFAULT_BUCKETS_US, str(i)) for i in range(start, start + 40)]
         assert renderer.render(snaps) == cpp_reference(snaps)
         assert renderer.render(snaps, True) == cpp_reference(snaps, True)
+
+
+@pytest.mark.parametrize("openmetrics", [False, True], ids=["text-0.0.4", "openmetrics"])
+@pytest.mark.parametrize("c_fill", [True, False], ids=["c", "python"])
+@pytest.mark.parametrize("stores", [0, 3])
+def test_the_endpoints_own_families_follow_nixls(openmetrics: bool, c_fill: bool, stores: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint's own families (what it knows of the job) come after NIXL's, which stay byte for byte what
+    prometheus_client's generators write, and before OpenMetrics' # EOF; they are written as those generators
+    write two gauge families, and nothing of NIXL's is named like them."""
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+    import app.exposition as X
+    from store.metrics import FAMILIES
+
+    if not c_fill:
+        monkeypatch.setattr(X, "_native", None)
+    snaps = [_edge_snapshot(i, 2**53 + i, DEFAULT_BUCKETS_US, str(i)) for i in range(stores)]
+    state = X.EndpointState(live=2, departed=stores, draining=True)
+    body = Renderer().render(snaps, openmetrics, X.endpoint_lines(state, openmetrics))
+
+    ranks = GaugeMetricFamily(*X.ENDPOINT_FAMILIES[0], labels=["state"])
+    ranks.add_metric(["live"], 2)
+    ranks.add_metric(["departed"], stores)
+    draining = GaugeMetricFamily(*X.ENDPOINT_FAMILIES[1], value=1)
+
+    class Own:
+        def collect(self) -> list[GaugeMetricFamily]:
+            return [ranks, draining]
+
+    nixl = cpp_reference(snaps, openmetrics).removesuffix(b"# EOF\n")
+    if openmetrics:
+        assert body == nixl + generate_openmetrics(Own()).replace(b".0\n", b"\n")  # (integers, as the plug-in)
+    else:
+        assert body == nixl + generate_latest(Own()).replace(b".0\n", b"\n")
+    assert not any(fam.name.startswith(X.ENDPOINT_PREFIX) for fam in FAMILIES)

@@ -34,6 +34,7 @@ from werkzeug.test import Client
 from app.aggregator.wsgi import build_app
 from app.collector import Collector
 from app.config import Config
+from app.exposition import EndpointState, endpoint_lines
 from app.web import MetricsApp
 from store import EventType, StoreIdentity, StoreWriter
 
@@ -82,8 +83,11 @@ def test_default_is_prometheus_text_0_0_4(served) -> None:
     assert samples[series("agent_tx_bytes_total", **labels)] == 4096
     assert samples[series("agent_rx_bytes_total", **labels)] == 1 << 20
     assert samples[series("agent_errors_total", status="backend", **labels)] == 1
-    # prometheus_client's text over the same stores, numbers spelt as the C++ plug-in spells them
-    assert response.body == cpp_reference(Collector(exp.config.directory, 30).collect().published)
+    # prometheus_client's text over the same stores, numbers spelt as the C++ plug-in spells them, then the
+    # endpoint's own families: this rank live, nothing departed, no drain
+    assert response.body == (cpp_reference(Collector(exp.config.directory, 30).collect().published)
+                             + endpoint_lines(EndpointState(live=1, departed=0, draining=False)))
+    assert parse_exposition(response.text, own=True)[series("nixl_prometheus_mp_ranks", state="live")] == 1
 
 
 @pytest.mark.parametrize("version", sorted(PROMETHEUS_ACCEPT))
@@ -119,8 +123,9 @@ def test_openmetrics_only_for_a_client_that_accepts_nothing_else(served, accept:
     assert "# TYPE agent_tx_bytes_total" not in text
     assert "\nagent_tx_bytes_total{" in text
     assert "# TYPE agent_xfer_time_us histogram\n" in text
-    assert response.body == cpp_reference(Collector(exp.config.directory, 30).collect().published,
-                                          openmetrics=True)
+    reference = cpp_reference(Collector(exp.config.directory, 30).collect().published, openmetrics=True)
+    own = endpoint_lines(EndpointState(live=1, departed=0, draining=False), openmetrics=True)
+    assert response.body == reference.removesuffix(b"# EOF\n") + own + b"# EOF\n"
     assert vary(response) == {"accept", "accept-encoding"}
 
 
@@ -323,8 +328,11 @@ def test_wsgi_app_routes_without_a_server(tmp_dir: Path) -> None:
     app = MetricsApp(Collector(tmp_dir, 30), lambda: {"pid": 1})
     client = Client(app)
     assert client.get("/metrics").status_code == 200
-    assert client.get("/metrics").data == b""  # no store: an empty exposition
-    assert client.get("/metrics", headers={"Accept": OPENMETRICS_ONLY}).data == b"# EOF\n"
+    # no store: no NIXL series, and the endpoint's own families saying so
+    nothing = EndpointState(live=0, departed=0, draining=False)
+    assert client.get("/metrics").data == endpoint_lines(nothing)
+    assert client.get("/metrics", headers={"Accept": OPENMETRICS_ONLY}).data == endpoint_lines(nothing, True) + \
+        b"# EOF\n"
     assert client.get("/nope").status_code == 404
     response = client.post("/healthz")
     assert response.status_code == 405 and "GET" in response.headers["Allow"]

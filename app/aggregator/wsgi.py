@@ -53,7 +53,8 @@ def build_app(config: Config, serving: str = "gunicorn") -> MetricsApp:
     """The aggregator's app; ``serving``: the server it runs on, as /healthz says ("gunicorn", "werkzeug")."""
     owners = OwnerWatch(config.directory, config.address)
     return MetricsApp(Collector(config.directory, config.stale_ttl_s), lambda: _owner_info(config, serving),
-                      lambda: _warnings(config, owners), on_scrape=owners.poll)
+                      lambda: _warnings(config, owners), on_scrape=owners.poll,
+                      draining=lambda: master.draining_until is not None)
 
 
 def standalone_app() -> MetricsApp:
