@@ -12,11 +12,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from support import Proc, Reaper, can_bind, children_of, free_port, get_json, http_get, listening_socket, wait_until
-from support_e2e import REPO, by_rank, expected, parse_text, rank_env, spawn_rank, wait_ready
+from support_e2e import REPO, by_rank, expected, parse_text, procfile_web_command, rank_env, spawn_rank, wait_ready
 
 from store import EventType, StoreIdentity, StoreWriter
 
@@ -108,11 +109,11 @@ def test_demo_serves_with_http_proxy_set(tmp_path: Path) -> None:
     assert "Traceback" not in done.stdout + done.stderr
 
 
-def timed_demo(r: Reaper, tmp_path: Path, ranks: int) -> tuple[Proc, int, int]:
+def timed_demo(r: Reaper, tmp_path: Path, ranks: int, ttl: str = "1") -> tuple[Proc, int, int]:
     """A demo of ``ranks`` ranks that ends by itself after a few seconds (and a 1 s TTL), the pid of the rank that
     started its address server, and its port."""
     port = free_port()
-    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="1")
+    env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL=ttl)
     del env["NIXL_TELEMETRY_MULTIPROC_DIR"]
     # cwd: where a core dump of a crashed rank would land
     demo = r.spawn([*CLI, "demo", "--ranks", str(ranks), "--port", str(port), "--duration", "8", "--rate", "50"],
@@ -158,31 +159,58 @@ def test_an_address_server_the_user_kills_is_replaced_and_the_demo_carries_on(tm
 
 
 def test_a_rank_that_crashes_fails_the_demo_naming_the_signal(tmp_path: Path) -> None:
+    """A failed run's final values are published as any run's (they tell what went wrong): the demo fails once
+    its server has served them until the TTL, the crashed rank's included."""
     with Reaper() as r:
-        demo, owner, _ = timed_demo(r, tmp_path, ranks=2)
+        # A TTL beyond the run (8 s): the rank that crashed at its start is still published at the end.
+        demo, owner, port = timed_demo(r, tmp_path, ranks=2, ttl="12")
         (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
         os.kill(victim, signal.SIGSEGV)  # what a crash in native code would end the rank with
+        demo.wait_line(lambda line: line.startswith("the ranks are done: their final values stay on"), 30)
+        health = get_json(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        assert health["live"] == [] and len(health["stale"]) == 2, health
+        served = {s["agent_name"]: s["pid"] for s in health["stale"]}
+        assert victim in served.values(), (victim, served)  # the crashed rank's final values too
         assert demo.popen.wait(timeout=30) == 1, demo.output
+    assert can_bind(port), "the server left by itself, at the TTL"
     errors = [line for line in demo.output.splitlines() if "error:" in line]
     assert len(errors) == 1 and re.fullmatch(rf"nixl-prometheus-mp: error: 1 of 2 demo ranks failed: rank [01] "
                                              rf"\(pid {victim}\) was killed by SIGSEGV", errors[0]), demo.output
+    assert demo.output.splitlines()[-2].startswith("ranks live 0 departed 2 | "), demo.output  # then the error
     assert "Traceback" not in demo.output
 
 
+def test_a_rank_someone_else_sigterms_is_named_and_is_not_a_failure(tmp_path: Path) -> None:
+    """A demo rank exited 0 on SIGTERM, so the demo could not tell it from one that ran its --duration out: a
+    rank now ends by the signal that stopped it, after closing its store."""
+    with Reaper() as r:
+        demo, owner, _ = timed_demo(r, tmp_path, ranks=2)
+        (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
+        os.kill(victim, signal.SIGTERM)
+        demo.wait_line(lambda line: f"(pid {victim}) was killed by SIGTERM" in line, 15)
+        assert demo.popen.wait(timeout=30) == 0, demo.output
+    assert re.search(rf"^rank [01] \(pid {victim}\) was killed by SIGTERM$", demo.output, re.M), demo.output
+    assert "error:" not in demo.output and "Traceback" not in demo.output, demo.output
+    assert demo.output.splitlines()[-1].startswith("ranks live 0 departed 2 | "), demo.output
+
+
 def test_a_crash_before_ctrl_c_still_fails_the_demo(tmp_path: Path) -> None:
-    """The stop ends every rank; what ended before it is still reported, a crash as the demo's failure."""
+    """The stop ends every rank; what ended before it is still reported, a crash as the demo's failure, once the
+    final values were published (a 3 s TTL)."""
     port = free_port()
     with Reaper() as r:
         demo = r.spawn([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
-                       rank_env(tmp_path / "mp", port), cwd=tmp_path)
+                       rank_env(tmp_path / "mp", port, NIXL_TELEMETRY_MP_STALE_TTL="3"), cwd=tmp_path)
         owner = int(demo.wait_line(lambda line: "ranks recording into" in line, 30).split("rank pid ")[1].split()[0])
         (victim,) = [pid for pid in children_of(demo.pid) if pid != owner]
         os.kill(victim, signal.SIGABRT)
         demo.wait_line(lambda line: f"(pid {victim}) was killed by SIGABRT" in line, 15)
         demo.killpg(signal.SIGINT)
-        assert demo.popen.wait(timeout=15) == 1, demo.output
+        assert demo.popen.wait(timeout=30) == 1, demo.output
     assert re.fullmatch(rf"nixl-prometheus-mp: error: 1 of 2 demo ranks failed: rank [01] \(pid {victim}\) was "
                         "killed by SIGABRT", demo.output.splitlines()[-1]), demo.output
+    assert any(line.startswith("the ranks are done: their final values stay on") for line in demo.lines), demo.output
+    assert not re.search(r"was killed by SIGINT", demo.output), demo.output  # the stop's own ends are not news
 
 
 @pytest.mark.parametrize("value", ["0", "-2"])
@@ -196,6 +224,39 @@ def test_demo_rejects_a_rank_count_that_is_not_a_number() -> None:
 
 def test_unknown_command_is_one_line() -> None:
     assert_one_line_error(run_cli("frobnicate"), "frobnicate")
+
+
+# -- rank: ranks only ---------------------------------------------------------
+
+def test_ranks_only_feed_a_standalone_aggregator_on_its_port_and_bind_scope(tmp_path: Path) -> None:
+    """What ``demo --dir D --port P`` cannot do beside the aggregator of the README (it wants the port free and
+    binds 127.0.0.1): ``rank`` processes configured as the aggregator is, every interface included (its default),
+    which it serves; no rank starts a server.  A rank SIGTERMed ends by the signal, its store departed."""
+    port, directory = free_port(), tmp_path / "mp"
+    env = rank_env(directory, port)
+    del env["NIXL_TELEMETRY_PROMETHEUS_LOCAL"]  # the aggregator's default and the ranks' alike: 0.0.0.0
+    with Reaper() as r:
+        aggregator = r.spawn(procfile_web_command(), env)
+        wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]["mode"] == "standalone",
+                   30, lambda: f"the aggregator to serve:\n{aggregator.output}")
+        ranks = [r.spawn([*CLI, "rank", "--name", f"agent-{i}", "--rate", "50"], {**env, "LOCAL_RANK": str(i)})
+                 for i in range(2)]
+
+        def both() -> bool:
+            body = http_get(f"http://127.0.0.1:{port}/metrics", timeout=2).body
+            return set(by_rank(parse_text(body), "agent_tx_requests_num_total")) == {"0", "1"}
+
+        wait_until(both, 30, lambda: f"both ranks on the aggregator's /metrics:\n{ranks[0].output}")
+        health = get_json(f"http://127.0.0.1:{port}/healthz")
+        assert health["owner"]["mode"] == "standalone" and health["owner"]["address"] == f"0.0.0.0:{port}", health
+        assert sorted(rank["local_rank"] for rank in health["live"]) == ["0", "1"], health
+        assert all(children_of(rank.pid) == [] for rank in ranks)  # writers: no address server of theirs
+        os.kill(ranks[0].pid, signal.SIGTERM)
+        assert ranks[0].popen.wait(timeout=15) == -signal.SIGTERM, ranks[0].output
+        wait_until(lambda: [s["agent_name"] for s in get_json(f"http://127.0.0.1:{port}/healthz")["stale"]]
+                   == ["agent-0"], 10, "rank 0's store departed")
+    for proc in (aggregator, *ranks):
+        assert "Traceback" not in proc.output, proc.output
 
 
 # -- serve ------------------------------------------------------------------
@@ -321,8 +382,34 @@ def test_aggregate_takes_gunicorn_options_only(extra: list[str]) -> None:
                           f"give it gunicorn options only, not {' '.join(extra)}")
 
 
-def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT to the foreground group) stops the demo and its ranks, status 0, no traceback."""
+def test_ctrl_c_lets_the_server_publish_the_final_values_until_the_ttl(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the foreground group) stops the ranks; their server goes on publishing their final
+    values until the TTL, as at the end of a --duration (it was stopped at once, and Prometheus lost them)."""
+    port, ttl = free_port(), 5.0
+    with Reaper() as r:
+        demo = r.spawn([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
+                       rank_env(tmp_path / "mp", port, NIXL_TELEMETRY_MP_STALE_TTL=f"{ttl:g}"))
+        wait_until(lambda: len(get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["live"]) == 2, 15,
+                   "two demo ranks")
+        demo.killpg(signal.SIGINT)
+        stopped = time.monotonic()
+        demo.wait_line(lambda line: line.startswith("the ranks are done: their final values stay on"), 15)
+        health = get_json(f"http://127.0.0.1:{port}/healthz", timeout=5)
+        assert health["live"] == [] and len(health["stale"]) == 2, health
+        final = by_rank(parse_text(http_get(f"http://127.0.0.1:{port}/metrics", timeout=5).body),
+                        "agent_tx_requests_num_total")
+        assert set(final) == {"0", "1"}, final
+        assert demo.popen.wait(timeout=ttl + 20) == 0, demo.output
+        assert time.monotonic() - stopped > ttl - 1.5, "the server left before the TTL"  # (last update: ~ the stop)
+    assert can_bind(port), f"something still listens on port {port}"  # the server left by itself
+    out = demo.output.splitlines()
+    assert "stopping the ranks (Ctrl-C again to stop at once)" in out, out
+    assert out[-1].startswith("ranks live 0 departed 2 | "), out  # the totals, last
+    assert "Traceback" not in demo.output and "was killed by" not in demo.output, demo.output
+
+
+def test_a_second_ctrl_c_stops_the_demo_and_its_server_at_once(tmp_path: Path) -> None:
+    """With the default TTL (30 s) to wait out: the second Ctrl-C ends the wait, and the server with it."""
     port = free_port()
     with Reaper() as r:
         demo = r.spawn([*CLI, "demo", "--ranks", "2", "--port", str(port), "--dir", str(tmp_path / "mp")],
@@ -330,9 +417,12 @@ def test_demo_ranks_interrupted_by_sigint_exit_cleanly(tmp_path: Path) -> None:
         wait_until(lambda: len(get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["live"]) == 2, 15,
                    "two demo ranks")
         demo.killpg(signal.SIGINT)
-        assert demo.popen.wait(timeout=15) == 0, demo.output
+        demo.wait_line(lambda line: line.startswith("the ranks are done: their final values stay on") and
+                       "until 30 s" in line, 15)
+        demo.killpg(signal.SIGINT)
+        assert demo.popen.wait(timeout=10) == 0, demo.output
     assert "Traceback" not in demo.output, demo.output
-    # A stop stops the ranks' address server too, at once (no TTL wait): nothing listens on the port.
+    # The second stop stops the ranks' address server too, at once: nothing listens on the port.
     assert can_bind(port), f"something still listens on port {port}"
 
 

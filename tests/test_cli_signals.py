@@ -1,7 +1,7 @@
 """SIGTERM, SIGINT and SIGHUP stop the demo and every rank, promptly, every time.
 
 A stop that hangs one time in twenty is a hung pod in production (the ranks
-of deploy/nixl-ranks.yaml run ``_rank``), so each case is repeated with the
+of deploy/nixl-ranks.yaml run ``rank``), so each case is repeated with the
 signal landing at varied moments, and every trial must end within a bound.
 """
 
@@ -71,7 +71,7 @@ def test_a_rank_stops_on_every_signal(tmp_path: Path) -> None:
             ranks = []
             for i in range(4):
                 directory = tmp_path / f"run{batch}.{i}"
-                ranks.append((r.spawn([*CLI, "_rank", "--name", f"agent-{i}", "--rate", "5000"],
+                ranks.append((r.spawn([*CLI, "rank", "--name", f"agent-{i}", "--rate", "5000"],
                                       rank_env(directory, free_port())), directory))
             for _, directory in ranks:
                 wait_until(lambda d=directory: list(d.glob("nixl.*.mmap")), 30, "a rank's store")  # type: ignore[misc]
@@ -86,18 +86,19 @@ def test_a_rank_stops_on_every_signal(tmp_path: Path) -> None:
                 except subprocess.TimeoutExpired:
                     raise AssertionError(f"batch {batch}: a rank hung for {STOP_BOUND_S} s after its stop "
                                          "signals") from None
-                # 0, or killed by a signal of the burst that landed after Python's
-                # shutdown had restored the default handlers (the rank had stopped).
-                assert status in (0, -signal.SIGTERM, -signal.SIGINT), (batch, status, rank.output)
+                # Ended by a signal of the burst, re-raised once its store was closed: a supervisor (or the
+                # demo) sees which signal stopped it.
+                assert status in (-signal.SIGTERM, -signal.SIGINT), (batch, status, rank.output)
                 assert "Traceback" not in rank.output, rank.output
 
 
 def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
-    """``kill <demo pid>`` (timeout, systemd, container runtimes), at varied moments of its life."""
+    """``kill <demo pid>`` (timeout, systemd, container runtimes), at varied moments of its life.  SIGTERM means
+    finish, then go: the ranks stop, their server publishes their final values until the TTL (1 s here)."""
     rng = random.Random(12)
     for trial in range(TRIALS):
         port = free_port()
-        env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path))
+        env = rank_env(tmp_path / "unused", port, TMPDIR=str(tmp_path), NIXL_TELEMETRY_MP_STALE_TTL="1")
         with Reaper() as r:
             demo = r.spawn([*CLI, "demo", "--ranks", "2", "--rate", "2000", "--port", str(port)], env)
             after_start = trial % 2 == 0
@@ -116,7 +117,8 @@ def test_kill_of_the_demo_stops_it_and_every_rank(tmp_path: Path) -> None:
             assert status == 0 or (status == -signal.SIGTERM and not after_start), (trial, status, demo.output)
             survivors = group_members(demo.pid)  # the ranks run in the demo's process group
             assert survivors == [], (trial, survivors)
-            # ... and their address server (a session of its own) was stopped with them, not left for the TTL.
+            # ... and their address server (a session of its own) left before the demo did: after the TTL, or at
+            # once during start-up.
             assert not served(port), (trial, demo.output)
             assert "Traceback" not in demo.output, demo.output
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nixl-metrics-demo-")] == []

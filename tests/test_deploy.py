@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from support_e2e import DEPLOY, REPO, procfile_web_command
+from support import Reaper, free_port, get_json, http_get, wait_until
+from support_e2e import DEPLOY, REPO, procfile_web_command, rank_env
 
 from app.config import DEFAULT_DRAIN_MAX_S, DRAIN_ENV, TTL_ENV
+from app.exposition import ENDPOINT_FAMILIES
 from store.metrics import FAMILIES
 
 MOUNT = "/run/nixl_metrics"
@@ -181,6 +184,34 @@ def test_aggregator_sidecar_runs_the_procfile_web_command() -> None:
         assert agg.get("command", []) + agg.get("args", []) == procfile_web_command()
         if agg in spec.get("initContainers", []):
             assert agg.get("restartPolicy") == "Always", "an init container aggregator must be a native sidecar"
+
+
+def test_the_pods_commands_run_as_given(tmp_path: Path) -> None:
+    """Every container's args, run here with its own environment (only the directory and the port moved): the
+    aggregator serves, and each rank container's command is a rank it publishes, under the container's name."""
+    for workload, _, spec in pod_specs():
+        run_pod(spec, tmp_path / workload / "mp", free_port())
+
+
+def run_pod(spec: dict[str, Any], directory: Path, port: int) -> None:
+    """The pod's containers as processes of this host, in the pod's order (the sidecar first), until the
+    aggregator publishes every rank."""
+    names = {c["args"][c["args"].index("--name") + 1] for c in containers(spec) if "--name" in c["args"]}
+    assert len(names) == len(containers(spec)) - 1, names  # every container but the aggregator: a rank
+
+    def published() -> set[str]:
+        return {rank["agent_name"] for rank in get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["live"]}
+
+    with Reaper() as r:
+        for container in containers(spec):
+            env = {**rank_env(directory, port), **env_of(container), DIR_ENV: str(directory), PORT_ENV: str(port)}
+            if "NIXL_TELEMETRY_PROMETHEUS_LOCAL" not in env_of(container):
+                del env["NIXL_TELEMETRY_PROMETHEUS_LOCAL"]  # as in the pod: every interface
+            proc = r.spawn([sys.executable if arg == "python" else arg for arg in container["args"]], env)
+            if container is aggregator(spec):
+                wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 30,
+                           lambda p=proc: f"the aggregator to serve:\n{p.output}")  # type: ignore[misc]
+        wait_until(lambda: published() == names, 30, lambda: f"{names} on the aggregator's /healthz: {published()}")
 
 
 def test_every_container_runs_under_the_images_init_and_the_grace_period_covers_the_drain() -> None:
@@ -358,6 +389,39 @@ def test_rules_cover_what_operators_alert_on() -> None:
     assert seconds(alerts["NixlMetricsEndpointDown"]["for"]) >= 4 * 15
 
 
+def test_every_alerts_text_reads_well_with_or_without_a_pod() -> None:
+    """The unit tests render every alert where a scrape configuration gives no namespace or pod (a plain host's
+    static target) and, for an alert whose text can name the pod, where it does (Kubernetes discovery); promtool
+    checks each rendered text exactly, and none has an empty "()" or "(/)"."""
+    tests = yaml.safe_load((DEPLOY / "nixl.rules.test.yml").read_text())["tests"]
+    rendered = [(case["alertname"], alert["exp_labels"], alert["exp_annotations"])
+                for test in tests for case in test.get("alert_rule_test", []) for alert in case["exp_alerts"]]
+    alerts = {r["alert"]: r for g in rules_file()["groups"] for r in g["rules"] if "alert" in r}
+    for name, rule in alerts.items():
+        cases = [(labels, texts) for alert, labels, texts in rendered if alert == name]
+        assert any("pod" not in labels and "namespace" not in labels for labels, _ in cases), f"{name}: no plain host"
+        if any("$labels.pod" in text for text in rule["annotations"].values()):
+            assert any("pod" in labels for labels, _ in cases), f"{name}: never rendered with a pod"
+        for labels, texts in cases:
+            assert set(texts) == set(rule["annotations"]), (name, labels)
+            for key, text in texts.items():
+                assert "()" not in text and "(/)" not in text and "{{" not in text, (name, labels, text)
+                if "pod" in labels and "$labels.pod" in rule["annotations"][key]:
+                    assert f"(pod {labels['namespace']}/{labels['pod']})" in text, (name, labels, text)
+
+
+def test_the_endpoint_down_alert_tells_a_job_end_from_a_broken_endpoint() -> None:
+    """NixlMetricsEndpointDown excuses a down target whose endpoint last said its job ended (no rank live, ranks
+    departed), carried for as long as the target stays down, and not one whose scrapes time out."""
+    rules = {r.get("alert") or r["record"]: r for g in rules_file()["groups"] for r in g["rules"]}
+    down = " ".join(rules["NixlMetricsEndpointDown"]["expr"].split())
+    assert "unless on (job, namespace, pod, instance) (pod:nixl_job_ended:last == 1)" in down
+    assert "scrape_duration_seconds{" in down and "> 0.5" in down
+    ended = " ".join(rules["pod:nixl_job_ended:last"]["expr"].split())
+    assert 'nixl_prometheus_mp_ranks{state="live"}' in ended and 'nixl_prometheus_mp_ranks{state="departed"}' in ended
+    assert "last_over_time(pod:nixl_job_ended:last[" in ended and "(up == 0)" in ended  # the carry, while down
+
+
 @needs_promtool
 def test_rules_pass_promtool_check_and_their_unit_tests() -> None:
     done = promtool("check", "rules", str(DEPLOY / "nixl.rules.yml"))
@@ -425,7 +489,8 @@ def metric_names(expr: str) -> set[str]:
 
 
 def known_metric_names() -> set[str]:
-    names = {"up"}
+    # Prometheus's own series of every scrape, and the endpoint's own families (what it knows of the job)
+    names = {"up", "scrape_duration_seconds", *(name for name, _ in ENDPOINT_FAMILIES)}
     for fam in FAMILIES:
         if fam.kind == "histogram":
             names |= {f"{fam.name}_bucket", f"{fam.name}_sum", f"{fam.name}_count"}

@@ -13,6 +13,7 @@ import pytest
 from support_e2e import REPO, procfile_web_command, shell_commands
 
 from app import cli
+from app.exposition import ENDPOINT_FAMILIES
 from store import layout
 from store.metrics import FAMILIES
 
@@ -66,6 +67,8 @@ def test_format_page_states_the_layout_and_metrics_of_the_code() -> None:
     assert f"exactly {layout.STORE_SIZE} bytes" in text
     for family in FAMILIES:
         assert f"| `{family.name}` | {family.help} |" in text, family.name
+    for name, doc in ENDPOINT_FAMILIES:  # the endpoint's own
+        assert f"| `{name}` | {doc} |" in text, name
 
 
 def test_operations_page_lists_every_deploy_file() -> None:

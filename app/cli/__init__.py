@@ -1,4 +1,4 @@
-"""``python -m app`` / ``nixl-prometheus-mp``: demo, serve, aggregate, inspect, top.
+"""``python -m app`` / ``nixl-prometheus-mp``: demo, rank, serve, aggregate, inspect, top.
 
 The dispatcher: the parsers and ``main`` (the console script's entry point).  Each command is a module of
 this package; what they share is app.cli.common.
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from app.cli.common import DURATION, INTERVAL, PORT, PROG, RANKS, RATE, CliError, Parser, ttl_flag
-from app.cli.demo import DEMO_PORT, RANK_COMMAND, build_rank_parser, cmd_demo
+from app.cli.demo import DEMO_PORT, add_rank_parser, cmd_demo
 from app.cli.inspect import cmd_inspect
 from app.cli.serve import AGGREGATE_COMMAND, AGGREGATOR_APP, AGGREGATOR_CONFIG, cmd_aggregate, cmd_serve
 from app.cli.top import cmd_top
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=RATE, default=200, help="transfers per second per rank (default 200)")
     demo.add_argument("--dir", help="shared directory (default: a new private temporary directory, removed on exit)")
     demo.set_defaults(func=cmd_demo)
+    add_rank_parser(sub)
     serve = sub.add_parser("serve", help=f"the standalone aggregator on werkzeug (configured by {DIR_ENV} etc.)")
     serve.set_defaults(func=cmd_serve)
     # Listed for --help; main() hands every argument after it to gunicorn unparsed.
@@ -70,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = functools.partial(cmd_aggregate, argv[1:])
     else:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        args = (build_rank_parser().parse_args(argv[1:]) if argv[:1] == [RANK_COMMAND]
-                else build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
         run = functools.partial(args.func, args)
     try:
         return int(run())

@@ -1,5 +1,5 @@
 """``nixl-prometheus-mp demo``: N rank processes recording NIXL-like transfers behind one endpoint, and
-``_rank``, one such rank.
+``rank``, one such rank (ranks only: whoever owns the job's address serves it).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from app.cli.common import DURATION, PROG, RATE, CliError, Parser, error_count
+from app.cli.common import DURATION, RATE, CliError, error_count
 from app.collector import Collector
 from app.config import DIR_ENV, LOCAL_ENV, MAX_TTL_S, PORT_ENV, TTL_ENV, Config, prepare_directory
 from app.probe import (
@@ -36,7 +37,7 @@ from app.probe import (
 from app.stopsignals import StopSignals
 from store import EventType
 
-RANK_COMMAND = "_rank"  # a demo rank process (internal, but deploy/ starts ranks with it)
+RANK_COMMAND = "rank"  # one rank: the demo's, deploy/nixl-ranks.yaml's, or ranks fed to a standalone aggregator
 DEMO_PORT = 9111  # not 9090, which a Prometheus on the same host listens on by default
 OWNER_WAIT_S = 20.0  # for the first demo rank to serve: imports on a loaded host take seconds
 RANK_STOP_S = 10.0  # for the ranks to close their stores after SIGTERM, before SIGKILL
@@ -46,8 +47,15 @@ CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.
                            signal.SIGSYS})
 
 
-def _demo_rank(args: argparse.Namespace) -> int:
-    """One demo rank: NIXL-like transfers until SIGTERM/SIGINT or the duration ends."""
+def cmd_rank(args: argparse.Namespace) -> int:
+    """One rank: NIXL-like transfers until SIGTERM/SIGINT/SIGHUP or the duration ends.
+
+    Configured by the environment only, as a NIXL rank is (no port or bind
+    scope of its own): it joins whichever job shares its directory, port and
+    NIXL_TELEMETRY_PROMETHEUS_LOCAL, and a standalone aggregator of that job
+    serves it.  Stopped by a signal, it closes its store and then ends by
+    that signal: status 128 + N to a shell or a container runtime.
+    """
     from app.rank.exporter import Exporter
 
     stop = StopSignals()
@@ -72,6 +80,12 @@ def _demo_rank(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if stop.signum:
+        # Ended by the signal, not with 0: the demo can then name a rank someone else stopped (its own stop it
+        # knows of), and a supervisor sees the signal, as of any Unix program that cleans up and re-raises it.
+        signal.signal(stop.signum, signal.SIG_DFL)
+        signal.raise_signal(stop.signum)  # to this thread: delivered before it returns
+        os._exit(128 + stop.signum)  # (only if the default action did not end the process)
     os._exit(0)
 
 
@@ -128,12 +142,15 @@ def _is_failure(status: int) -> bool:
     return status > 0 or (status < 0 and -status in CRASH_SIGNALS)
 
 
-def _report_ended(procs: list[subprocess.Popen[bytes]], reported: dict[int, str], interactive: bool) -> None:
+def _report_ended(procs: list[subprocess.Popen[bytes]], reported: dict[int, str], interactive: bool,
+                  stop: StopSignals) -> None:
     """A line for each rank that ended other than cleanly since the last call, kept in ``reported``."""
-    for rank, p in enumerate(procs):
-        if p.poll() and rank not in reported:
-            reported[rank] = f"rank {rank} (pid {p.pid}) {exit_words(p.returncode)}"
-            _show(("\n" if interactive else "") + reported[rank])
+    ended = [(rank, p) for rank, p in enumerate(procs) if p.poll() and rank not in reported]
+    if stop.signum:
+        return  # a Ctrl-C reaches the ranks too (one process group), which end by it: not news
+    for rank, p in ended:
+        reported[rank] = f"rank {rank} (pid {p.pid}) {exit_words(p.returncode)}"
+        _show(("\n" if interactive else "") + reported[rank])
 
 
 def _failures(procs: list[subprocess.Popen[bytes]], reported: dict[int, str]) -> None:
@@ -201,12 +218,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
     _check_port_free(args.port)
+    # The TTL is the library's default (30 s) unless told otherwise: deploy/prometheus-static.yml scrapes the
+    # demo's port every 15 s, and only a TTL above that interval gets the ranks' final values to it.
     env = {**os.environ, PORT_ENV: str(args.port), LOCAL_ENV: "y"}
-    env.setdefault(TTL_ENV, "10")  # departed demo ranks leave /metrics 10 s after they stop, unless told otherwise
     chosen = Path(args.dir).absolute() if args.dir else None  # the ranks need an absolute path
     # The ranks' settings, refused once here rather than once per rank, and
     # before any directory is created (the temporary one has no name yet).
-    Config.from_env({**env, DIR_ENV: str(chosen or tempfile.gettempdir())})
+    ttl_s = Config.from_env({**env, DIR_ENV: str(chosen or tempfile.gettempdir())}).stale_ttl_s
     if chosen:
         prepare_directory(chosen, "--dir")  # the user named the directory with the flag, not the variable
     directory = chosen or Path(tempfile.mkdtemp(prefix="nixl-metrics-demo-"))
@@ -227,26 +245,36 @@ def _run_demo(args: argparse.Namespace, stop: StopSignals) -> int:
             return 0
         _show(f"{args.ranks} ranks recording into {directory}; rank pid {owner} started the server of "
               f"http://127.0.0.1:{args.port}/metrics and /healthz; a departed rank stays published "
-              f"{env[TTL_ENV]} s ({TTL_ENV}) (Ctrl-C to stop)")
+              f"{ttl_s:g} s ({TTL_ENV}) (Ctrl-C to stop)")
         totals = _Totals(directory, args.port, started)
         reported: dict[int, str] = {}  # rank -> how it ended, for every rank that did not end cleanly
         while any(p.poll() is None for p in procs):
-            _report_ended(procs, reported, interactive)
+            _report_ended(procs, reported, interactive, stop)
             line = totals.line()
             _show(f"\r{line}  " if interactive else line, end="" if interactive else "\n")
             if stop.wait(1.0):
-                if stop.signum != signal.SIGHUP:  # nobody reads it after a hang-up
-                    _show("\nstopping the ranks" if interactive else "stopping the ranks")
-                # Only what ended before the stop: the stop itself ends the ranks.
-                _failures(procs, reported)
-                return 0
-        _report_ended(procs, reported, interactive)
+                break
+        if stop.signum == signal.SIGHUP:
+            # The terminal is gone, and with it whoever could cut a wait short: stop everything at once.
+            _failures(procs, reported)  # only what ended before the stop: the stop itself ends the ranks
+            return 0
+        if stop.signum:
+            # A first Ctrl-C or SIGTERM ends the ranks but lets their server finish: the final values stay
+            # published until the TTL, as at the end of a --duration; a second stop ends the wait.
+            _show("\nstopping the ranks (Ctrl-C again to stop at once)" if interactive
+                  else "stopping the ranks (Ctrl-C again to stop at once)")
+            stop.rearm()
+            _stop_ranks(procs)
+        else:
+            _report_ended(procs, reported, interactive, stop)
         final = totals.line()  # the ranks' final values, read before the server reaps them after the TTL
+        if not stop.signum:  # (a second stop ends the demo now)
+            if interactive:
+                _show("")  # the progress line has no end of its own
+            # A failed run too: its final values are what tells what went wrong.
+            _serve_final_values(args.port, ttl_s, stop)
+        _show(final)  # the last line of the totals, every rank's final values included (then a failure's)
         _failures(procs, reported)
-        if interactive:
-            _show("")
-        _serve_final_values(args.port, float(env[TTL_ENV]), stop)
-        _show(final)  # the last line: the totals, every rank's final values included
         return 0
     finally:
         _stop_ranks(procs)
@@ -270,10 +298,11 @@ def _serve_final_values(port: int, ttl_s: float, stop: StopSignals) -> None:
 
 
 def _stop_server(port: int) -> None:
-    """Stop the demo's address server and its spare, if they still serve (the demo was stopped, or failed),
-    before its directory goes.  Found through /proc: a /healthz slow to answer on a loaded host must not leave it
-    running.  A server or spare still starting holds the port before it shows as ours (its launcher has our command
-    line, not yet our name): waited on until it does."""
+    """Stop the demo's address server and its spare, if they still serve (the demo was stopped twice or hung up
+    on, or stopped during start-up, or an error ended it), before its directory goes.  Found through /proc: a
+    /healthz slow to answer on a loaded host must not leave it running.  A server or spare still starting holds
+    the port before it shows as ours (its launcher has our command line, not yet our name): waited on until it
+    does."""
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_STOP_S
     while listening_sockets(port) and time.monotonic() < deadline:
@@ -287,12 +316,14 @@ def _stop_server(port: int) -> None:
         time.sleep(0.02)
 
 
-def build_rank_parser() -> argparse.ArgumentParser:
-    """``_rank``: one demo rank; parsed apart so that --help and usage errors never list it."""
-    rank = Parser(prog=f"{PROG} {RANK_COMMAND}")
-    rank.add_argument("--name", required=True)
-    rank.add_argument("--rate", type=RATE, default=200)
-    rank.add_argument("--duration", type=DURATION, default=0)
-    rank.add_argument("--parent-pid", type=int, default=0)  # the demo's: die with it
-    rank.set_defaults(func=_demo_rank)
-    return rank
+def add_rank_parser(sub: argparse._SubParsersAction[Any]) -> None:
+    """``rank``: one rank of the demo's kind, configured by the environment alone (ranks only)."""
+    rank = sub.add_parser(RANK_COMMAND, help=f"one rank recording NIXL-like transfers into ${DIR_ENV}, configured "
+                                             "by the environment like any rank: ranks only, served by the job's "
+                                             "owner (a standalone aggregator, else the rank elected)")
+    rank.add_argument("--name", required=True, help="the agent_name label")
+    rank.add_argument("--rate", type=RATE, default=200, help="transfers per second (default 200)")
+    rank.add_argument("--duration", type=DURATION, default=0,
+                      help="seconds to run (default 0: until SIGTERM, SIGINT or SIGHUP)")
+    rank.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)  # the demo's: die with it
+    rank.set_defaults(func=cmd_rank)
