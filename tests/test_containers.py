@@ -41,7 +41,7 @@ from support_e2e import (
 )
 
 from app import Exporter
-from app.probe import SERVER_COMM, is_address_server, listening_pids
+from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, listening_pids
 from bench.pods import COUNTING_RANK, POD_TTL_S, SCRAPERS  # (the bench's pod, measured there 10 times)
 from store import EventType, Snapshot, read_snapshot
 
@@ -131,6 +131,49 @@ def test_server_deaths_leave_zombies_only_without_an_init_that_reaps(tmp_path: P
             wait_until(lambda: _zombies_of(first) == [], DEADLINE_S, lambda: f"zombies {_zombies_of(first)} reaped")
         else:  # a first process that is not an init reaps nobody: each server and spare killed stays a zombie
             wait_until(lambda: len(_zombies_of(first)) >= 5, DEADLINE_S, "the zombies of the servers killed")
+
+
+# Three jobs in a row in one container, each a rank that records once and closes, more than the TTL apart: each
+# job's address server publishes its final values until the TTL, then exits (a child of the container's init by
+# then); the container's main process goes on (a shell that sleeps, as a long-lived container's would).
+THREE_JOBS = """
+for job in 1 2 3; do
+  "$PYTHON" -c 'from app import Exporter; e = Exporter("job"); e.export_event(3, 1); e.close()'
+  echo "job $job done"
+  sleep 2
+done
+exec sleep 600
+"""
+
+
+def _ours_under(parent: int) -> list[str]:
+    """The address servers and spares whose parent is ``parent``, running or zombies (which keep their name)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                comm = (entry / "comm").read_text().strip()
+                state, ppid = _state_and_parent(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == parent and comm in (SERVER_COMM, SPARE_COMM):
+                found.append(f"{entry.name} {comm} {state}")
+    return found
+
+
+@NEEDS_NAMESPACES
+@pytest.mark.skipif(shutil.which("tini") is None, reason="tini (the image's init) is not installed")
+def test_three_jobs_in_a_row_leave_no_zombie_under_the_images_init(tmp_path: Path) -> None:
+    directory, port = tmp_path / "mp", free_port()
+    with Reaper() as r:
+        container = r.spawn([*CONTAINER, "sh", "-c", THREE_JOBS],
+                            rank_env(directory, port, PYTHON=sys.executable, NIXL_TELEMETRY_MP_STALE_TTL="1"))
+        (first,) = wait_until(lambda: children_of(container.pid) or None, DEADLINE_S, "the container's init")
+        container.wait_line(lambda line: line == "job 3 done", 3 * START_DEADLINE_S)
+        # Every job's server gone once its TTL passed, and reaped: no zombie keeps its name under the init.
+        wait_until(lambda: _ours_under(first) == [], 3 * DEADLINE_S, lambda: f"left: {_ours_under(first)}")
+        # (and there were three: each job's server, started after the last one's TTL, said where it runs)
+        assert (directory / f"nixl-server.127.0.0.1:{port}.log").read_text().count(CONTAINER_MESSAGE) >= 3
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user's that this process may write: root")
