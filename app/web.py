@@ -25,6 +25,7 @@ encoding to another).
 from __future__ import annotations
 
 import gzip
+import ipaddress
 import json
 import logging
 import threading
@@ -119,6 +120,32 @@ def _negotiated(accept: str | None, accept_encoding: str | None) -> tuple[bool, 
                 _negotiated_cache.clear()
             _negotiated_cache[key] = found
     return found
+
+
+def _from_this_host(peer: str | None) -> bool:
+    """Whether a request comes from this host: a loopback peer (an IPv4-mapped IPv6 one included), or no network
+    peer at all (a Unix socket's, which servers give as "" or a path; a WSGI call within the process)."""
+    try:
+        address = ipaddress.ip_address(peer or "")
+    except ValueError:
+        return True
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _for_another_host(doc: dict[str, Any]) -> dict[str, Any]:
+    """/healthz without what names the host's files: the directory, the stores, the log file, the texts."""
+    reduced = {key: value for key, value in doc.items() if key != "directory"}
+    reduced["owner"] = {key: value for key, value in doc["owner"].items() if key != "log_file"}
+    for state in ("live", "stale"):
+        reduced[state] = [{key: value for key, value in rank.items() if key != "store"} for rank in doc[state]]
+    reduced["warnings"] = [dict(kind=warning["kind"]) for warning in doc["warnings"]]
+    if "reason" in doc:
+        reduced["reason"] = "the directory cannot be listed"
+    reduced["detail"] = ("the directory, the store files, the log file and the warnings' texts are answered to "
+                         "this host's own peers (127.0.0.1) only")
+    return reduced
 
 
 def _rank_json(view: RankView) -> dict[str, Any]:
@@ -249,7 +276,7 @@ class MetricsApp:
             if endpoint == "metrics":
                 return self.metrics(environ, start_response)
             elif endpoint == "healthz":
-                response = self.healthz()
+                response = self.healthz(environ)
             else:
                 response = Response(_INDEX_HTML, mimetype="text/html")
         except HTTPException as exc:
@@ -271,7 +298,14 @@ class MetricsApp:
             return []  # no body: nothing was served
         return [body]
 
-    def healthz(self) -> Response:
+    def healthz(self, environ: dict[str, Any]) -> Response:
+        """/healthz: the whole document to the host's own peers (loopback), the rest of it to any other.
+
+        The directory's path, its store files' names, the server's log file and the warnings' texts (which name
+        paths) are the host's business: its users find them there (the address server keeps them out of ``ps``
+        only to keep its command line short).  A peer on another host (a probe, a scraper through a Service)
+        gets the status, who serves, the ranks as /metrics labels them, and the warnings' kinds.
+        """
         collection: Collection = self.collector.collect()
         warnings = self._extra_warnings() + collection.warnings
         doc: dict[str, Any] = {
@@ -287,5 +321,7 @@ class MetricsApp:
         }
         if collection.scan_error is not None:
             doc["reason"] = collection.scan_error
+        if not _from_this_host(environ.get("REMOTE_ADDR")):
+            doc = _for_another_host(doc)
         return Response(json.dumps(doc, indent=1) + "\n", status=200 if collection.scan_error is None else 503,
                         mimetype="application/json")

@@ -336,3 +336,35 @@ def test_wsgi_app_routes_without_a_server(tmp_dir: Path) -> None:
     assert client.get("/nope").status_code == 404
     response = client.post("/healthz")
     assert response.status_code == 405 and "GET" in response.headers["Allow"]
+
+
+def test_healthz_to_another_host_names_no_file_of_this_one(tmp_path: Path) -> None:
+    """The directory, its store files, the log file and the warnings' texts are the host's business: answered to
+    its loopback peers, never to a peer on another host (a probe, a scraper through a Service)."""
+    directory = tmp_path / "private-run-dir"
+    directory.mkdir(mode=0o700)
+    live = StoreWriter(directory, StoreIdentity("live", "h", "", 0, (10.0,)))
+    StoreWriter(directory, StoreIdentity("gone", "h", "", 1, (10.0,))).close()
+    planted = directory / "nixl.1.7.0.mmap"  # a store-named file of another user's: a warning naming its path
+    planted.touch()
+    os.chown(planted, 12345, 12345)
+    try:
+        client = Client(build_app(Config(directory=directory, port=free_port(), buckets=(10.0,))))
+        for peer in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1", "", "/run/gunicorn.sock"):
+            doc = client.get("/healthz", environ_overrides={"REMOTE_ADDR": peer}).get_json()
+            assert doc["directory"] == str(directory) and doc["live"][0]["store"].endswith(".mmap"), peer
+        for peer in ("10.1.2.3", "::ffff:10.1.2.3", "2001:db8::1"):
+            response = client.get("/healthz", environ_overrides={"REMOTE_ADDR": peer})
+            text = response.get_data(as_text=True)
+            assert response.status_code == 200 and str(directory) not in text and ".mmap" not in text, text
+            doc = response.get_json()
+            assert "directory" not in doc and "log_file" not in doc["owner"] and "127.0.0.1" in doc["detail"]
+            # The ranks as /metrics labels them, and the warnings' kinds: enough to tell what is wrong, from afar.
+            assert [rank["agent_name"] for rank in doc["live"]] == ["live"]
+            assert [rank["agent_name"] for rank in doc["stale"]] == ["gone"]
+            assert {"kind": "foreign-store"} in doc["warnings"], doc  # (its text names the planted file)
+        shutil.rmtree(directory)
+        gone = client.get("/healthz", environ_overrides={"REMOTE_ADDR": "10.1.2.3"})
+        assert gone.status_code == 503 and str(directory) not in gone.get_data(as_text=True)
+    finally:
+        live.close()
