@@ -39,6 +39,7 @@ from support_e2e import (
     rank_env,
     wait_ready,
 )
+from test_e2e_prometheus import PROMETHEUS, Prometheus, shipped_static_config
 
 from app import Exporter
 from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, listening_pids
@@ -174,6 +175,38 @@ def test_three_jobs_in_a_row_leave_no_zombie_under_the_images_init(tmp_path: Pat
         wait_until(lambda: _ours_under(first) == [], 3 * DEADLINE_S, lambda: f"left: {_ours_under(first)}")
         # (and there were three: each job's server, started after the last one's TTL, said where it runs)
         assert (directory / f"nixl-server.127.0.0.1:{port}.log").read_text().count(CONTAINER_MESSAGE) >= 3
+
+
+@NEEDS_NAMESPACES
+@pytest.mark.e2e
+@pytest.mark.skipif(shutil.which("tini") is None or PROMETHEUS is None, reason="needs tini and Debian's prometheus")
+def test_a_pods_end_with_the_sidecar_leaves_every_final_value_in_real_prometheus_servers(tmp_path: Path) -> None:
+    """The same pod's end, scraped by real Prometheus servers: an HA pair every 1 s, and one every 3 s (the
+    shipped plain-host configuration, its pace scaled with the TTL); each stores every rank's final value."""
+    directory, port = tmp_path / "mp", free_port()
+    target = f"127.0.0.1:{port}"
+    slow = shipped_static_config([target])
+    slow["global"].update(scrape_interval="3s", scrape_timeout="2s", evaluation_interval="3s")
+    slow["scrape_configs"][0].update(scrape_interval="3s", scrape_timeout="2s")
+    env = {"NIXL_TELEMETRY_MP_STALE_TTL": str(POD_TTL_S)}
+    with Reaper() as r:
+        servers = [Prometheus(r, tmp_path / "ha-0", target), Prometheus(r, tmp_path / "ha-1", target),
+                   Prometheus(r, tmp_path / "slow", config=slow)]
+        sidecar = r.spawn([*CONTAINER, *procfile_web_command()],
+                          rank_env(directory, port, GUNICORN_WORKERS="1", **env), cwd=tmp_path)
+        wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]["mode"] == "standalone",
+                   START_DEADLINE_S, "the sidecar serving")
+        ranks = [r.spawn([*CONTAINER, sys.executable, "-c", COUNTING_RANK], rank_env(directory, port,
+                                                                                 LOCAL_RANK=str(i), **env))
+                 for i in range(3)]
+        wait_until(lambda: all(len(server.by_rank('agent_rx_requests_num_total{job="nixl"}')) == 3
+                               for server in servers), START_DEADLINE_S, "every Prometheus scraping three ranks")
+        truth: dict[str, int] = {}
+        kubelet_stop(ranks, [sidecar], between=lambda: truth.update(_final_counts(directory)))
+        assert sorted(truth) == ["0", "1", "2"]
+        for server in servers:
+            stored = server.by_rank('last_over_time(agent_rx_requests_num_total{job="nixl"}[5m])')
+            assert stored == {rank: float(value) for rank, value in truth.items()}, (server.url, stored, truth)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a directory of another user's that this process may write: root")
