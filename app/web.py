@@ -184,6 +184,7 @@ class _Flight:
         self.bodies: dict[_Format, bytes] = {}
         self.failed: BaseException | None = None
         self.done = threading.Event()
+        self.holders = 0  # requests answering from it, until their answer is sent or cut (WSGI close)
 
 
 class SharedScrapes:
@@ -199,30 +200,60 @@ class SharedScrapes:
     begun collecting yet, so what it is answered is as fresh as if it had been served alone (Prometheus's
     semantics: the sample is no older than the scrape).  Sharing saves the renders as well: N concurrent
     scrapes cost at most two collections, not N.
+
+    But for one case: requests that arrive spread out (a loaded machine, clients one collection apart) would
+    each start a flight of their own, and never-reading clients would hold a body each again.  So while
+    MAX_HELD flights' bodies are held by answers in flight, a new request is answered from the newest body
+    there is (its collection at most one behind the request), rather than holding a body more.
     """
+
+    MAX_HELD = 4
 
     def __init__(self, collector: Collector, renderer: Renderer, draining: Draining = lambda: False) -> None:
         self._collector = collector
         self._renderer = renderer
         self._draining = draining
-        self._lock = threading.Lock()  # guards _waiting
+        self._lock = threading.Lock()  # guards _waiting, _held, _latest and the flights' holders
         self._waiting: _Flight | None = None  # the flight requests join: its collection has not begun
         self._collecting = threading.Lock()  # held by the flight whose collection and renders are in progress
+        self._held: set[_Flight] = set()  # flights with holders: their bodies are alive
+        self._latest: _Flight | None = None  # the last flight that rendered its bodies
 
-    def body(self, form: _Format) -> bytes:
+    def body(self, form: _Format) -> tuple[bytes, Callable[[], None]]:
+        """The body of ``form`` for a request arriving now, and what to call once its answer is sent (or cut)."""
         with self._lock:
-            flight, lead = self._waiting, False
-            if flight is None:
+            flight, lead, done = self._waiting, False, False
+            latest = self._latest
+            if len(self._held) >= self.MAX_HELD and latest is not None and form in latest.bodies:
+                flight, done = latest, True
+            elif flight is None:
                 flight = self._waiting = _Flight()
                 lead = True
             flight.formats.add(form)
-        if lead:
-            self._fly(flight)
-        else:
-            flight.done.wait()  # (no timeout: a collection always ends, and the leader's fails the flight)
-        if flight.failed is not None:
-            raise RuntimeError("the collection this scrape waited for failed") from flight.failed
-        return flight.bodies[form]
+            flight.holders += 1
+            self._held.add(flight)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    flight.holders -= 1
+                    if flight.holders == 0:
+                        self._held.discard(flight)
+
+        try:
+            if lead:
+                self._fly(flight)
+            elif not done:
+                flight.done.wait()  # (no timeout: a collection always ends, and the leader's fails the flight)
+            if flight.failed is not None:
+                raise RuntimeError("the collection this scrape waited for failed") from flight.failed
+            return flight.bodies[form], release
+        except BaseException:
+            release()
+            raise
 
     def _fly(self, flight: _Flight) -> None:
         try:
@@ -245,11 +276,22 @@ class SharedScrapes:
                         # to a 16x smaller body instead of 21x (docs/performance.md): the scrape is what waits.
                         body = gzip.compress(body, compresslevel=1)
                     flight.bodies[(openmetrics, zipped)] = body
+            with self._lock:
+                self._latest = flight
         except BaseException as exc:
             flight.failed = exc
             raise
         finally:
             flight.done.set()
+
+
+class _Held(list[bytes]):
+    """An answer's body, which the server holds until the answer is sent or cut: then it calls close() (WSGI),
+    and the body's flight counts one holder less."""
+
+    def __init__(self, body: bytes, release: Callable[[], None]) -> None:
+        super().__init__([body])
+        self.close = release
 
 
 class MetricsApp:
@@ -287,16 +329,21 @@ class MetricsApp:
         """GET or HEAD /metrics, as a WSGI app."""
         openmetrics, zipped = _negotiated(environ.get("HTTP_ACCEPT"), environ.get("HTTP_ACCEPT_ENCODING"))
         self._on_scrape()
-        body = self._scrapes.body((openmetrics, zipped))
+        body, release = self._scrapes.body((openmetrics, zipped))
         headers = [("Content-Type", CONTENT_TYPE_OPENMETRICS if openmetrics else CONTENT_TYPE_PLAIN_0_0_4),
                    ("Vary", "Accept, Accept-Encoding")]
         if zipped:
             headers.append(("Content-Encoding", "gzip"))
         headers.append(("Content-Length", str(len(body))))
-        start_response("200 OK", headers)
+        try:
+            start_response("200 OK", headers)
+        except BaseException:
+            release()
+            raise
         if environ["REQUEST_METHOD"] == "HEAD":
+            release()
             return []  # no body: nothing was served
-        return [body]
+        return _Held(body, release)
 
     def healthz(self, environ: dict[str, Any]) -> Response:
         """/healthz: the whole document to the host's own peers (loopback), the rest of it to any other.

@@ -110,6 +110,7 @@ def test_clients_that_never_read_hold_a_few_bodies_not_one_each(tmp_dir: Path, s
     _populate(tmp_dir, SLOW_STORES)
     body = wait_until(lambda: try_scrape(server.port), message="a scrape of the stores")
     assert len(body) >= 7_000_000
+    alone_kib = _status_kib(server.pid)["VmHWM"]  # the server's peak with one collection, one body, behind it
     with _never_reading(server.port, NEVER_READING) as socks:
         # Readable: its answer began, so its body was rendered and is being sent (and held until the deadline).
         wait_until(lambda: len(select.select(socks, [], [], 0)[0]) == len(socks), timeout=DEADLINE_S,
@@ -118,7 +119,8 @@ def test_clients_that_never_read_hold_a_few_bodies_not_one_each(tmp_dir: Path, s
         third = try_scrape(server.port, timeout=DEADLINE_S)
         assert third is not None and len(third) >= 7_000_000
         peak_kib = _status_kib(server.pid)["VmHWM"]  # (the high-water mark: nothing between samples is missed)
-    # One body each would be 60 x 7 MB (718 MiB measured before the bodies were shared); shared, the server holds
-    # 113 MiB at its peak alone, up to 158 MiB on a loaded machine (docs/operations.md, "HTTP"): the bound tells
-    # one from the other without depending on the machine's load.
-    assert peak_kib < 250 * 1024, f"the server peaked at {peak_kib >> 10} MiB"
+    # One body each would be 60 bodies more (718 MiB measured before the bodies were shared); shared, and at most
+    # MAX_HELD flights' bodies held by answers in flight, the peak is a few bodies and a collection above one
+    # scrape's: 117-124 MiB (55 MiB after one scrape), beside a CPU burner too (docs/operations.md, "HTTP").
+    bodies = (peak_kib - alone_kib) / (len(body) / 1024)
+    assert bodies < 20, f"the server peaked at {peak_kib >> 10} MiB, {bodies:.0f} bodies above one scrape's"
