@@ -20,6 +20,7 @@ import pytest
 from support import (
     DEADLINE_S,
     START_DEADLINE_S,
+    Proc,
     Reaper,
     Scraper,
     children_of,
@@ -188,17 +189,10 @@ def test_a_pods_end_with_the_sidecar_leaves_every_final_value_in_real_prometheus
     slow = shipped_static_config([target])
     slow["global"].update(scrape_interval="3s", scrape_timeout="2s", evaluation_interval="3s")
     slow["scrape_configs"][0].update(scrape_interval="3s", scrape_timeout="2s")
-    env = {"NIXL_TELEMETRY_MP_STALE_TTL": str(POD_TTL_S)}
     with Reaper() as r:
         servers = [Prometheus(r, tmp_path / "ha-0", target), Prometheus(r, tmp_path / "ha-1", target),
                    Prometheus(r, tmp_path / "slow", config=slow)]
-        sidecar = r.spawn([*CONTAINER, *procfile_web_command()],
-                          rank_env(directory, port, GUNICORN_WORKERS="1", **env), cwd=tmp_path)
-        wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]["mode"] == "standalone",
-                   START_DEADLINE_S, "the sidecar serving")
-        ranks = [r.spawn([*CONTAINER, sys.executable, "-c", COUNTING_RANK], rank_env(directory, port,
-                                                                                 LOCAL_RANK=str(i), **env))
-                 for i in range(3)]
+        sidecar, ranks = _pod(r, directory, port, tmp_path)
         wait_until(lambda: all(len(server.by_rank('agent_rx_requests_num_total{job="nixl"}')) == 3
                                for server in servers), START_DEADLINE_S, "every Prometheus scraping three ranks")
         truth: dict[str, int] = {}
@@ -228,6 +222,20 @@ def _requests_by_rank(text: str) -> dict[str, float]:
     return by_rank(parse_text(text.encode()), "agent_rx_requests_num_total")
 
 
+def _pod(r: Reaper, directory: Path, port: int, cwd: Path) -> tuple[Proc, list[Proc]]:
+    """deploy/nixl-ranks.yaml's shape: the aggregator in a container of its own, started first (it holds the
+    address); then three ranks counting requests, one per container; every container under tini."""
+    env = {"NIXL_TELEMETRY_MP_STALE_TTL": str(POD_TTL_S)}
+    sidecar = r.spawn([*CONTAINER, *procfile_web_command()],
+                      rank_env(directory, port, GUNICORN_WORKERS="1", **env), cwd=cwd)
+    wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]["mode"] == "standalone",
+               START_DEADLINE_S, "the sidecar serving")
+    ranks = [r.spawn([*CONTAINER, sys.executable, "-c", COUNTING_RANK], rank_env(directory, port,
+                                                                             LOCAL_RANK=str(i), **env))
+             for i in range(3)]
+    return sidecar, ranks
+
+
 def _final_counts(directory: Path) -> dict[str, int]:
     """What each rank's store holds once the ranks are gone, by local rank: the truth every scraper must see."""
     snaps = [read_snapshot(path) for path in directory.glob("nixl.*.mmap")]
@@ -243,15 +251,8 @@ def test_a_pods_end_with_the_sidecar_gives_every_scraper_every_ranks_final_value
     per container; every container under tini, in a PID namespace of its own.  The pod ends in the kubelet's
     order; an HA pair (1 s apart) and a slower Prometheus (every 3 s) each see every rank's final value."""
     directory, port = tmp_path / "mp", free_port()
-    env = {"NIXL_TELEMETRY_MP_STALE_TTL": str(POD_TTL_S)}
     with Reaper() as r:
-        sidecar = r.spawn([*CONTAINER, *procfile_web_command()],
-                          rank_env(directory, port, GUNICORN_WORKERS="1", **env), cwd=tmp_path)
-        wait_until(lambda: get_json(f"http://127.0.0.1:{port}/healthz", timeout=2)["owner"]["mode"] == "standalone",
-                   START_DEADLINE_S, "the sidecar serving")
-        ranks = [r.spawn([*CONTAINER, sys.executable, "-c", COUNTING_RANK], rank_env(directory, port,
-                                                                                 LOCAL_RANK=str(i), **env))
-                 for i in range(3)]
+        sidecar, ranks = _pod(r, directory, port, tmp_path)
         wait_until(lambda: len(_final_counts(directory)) == 3, START_DEADLINE_S, "three ranks recording")
         scrapers = [Scraper(port, interval, offset, _requests_by_rank) for interval, offset in SCRAPERS]
         ended = time.monotonic()
