@@ -25,7 +25,7 @@ same way:
   (another user's, a symlink, a FIFO, a directory, unreadable mode) is never
   reaped and is listed; running out of descriptors is the reader's problem, not
   the file's, and is reported as such.
-* ``dedupe``: no two published stores ever carry the same label set.
+* ``_Dedupe``: no two published stores ever carry the same label set.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from store.layout import is_store_name, parse_store_name
@@ -49,13 +51,13 @@ from store.reader import (
     open_store,
     warn_foreign,
 )
-from store.scan import Entry, scan, unreadable
+from store.scan import Entry, list_stores, read_stores, unreadable
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.collector")
 _warner = OnceWarner(log)
 
-__all__ = ["Collection", "Collector", "RankView", "dedupe", "drain_s", "is_store_name", "label_key"]
+__all__ = ["Collection", "Collector", "Publish", "RankView", "drain_s", "is_store_name", "label_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +115,8 @@ def _precedence(view: RankView) -> tuple[bool, int, str]:
     return False, snap.last_update_ns, snap.name
 
 
-def dedupe(result: Collection) -> None:
-    """Drop from ``result`` every store whose label set a preferred store also has.
+class _Dedupe:
+    """Which of the stores sharing a label set is published, batch by batch.
 
     A restarted rank in its own pid namespace (a container) often gets the
     same pid, agent name and instance as the predecessor it replaces; both
@@ -123,30 +125,84 @@ def dedupe(result: Collection) -> None:
     only the preferred one (see ``_precedence``) is published; Prometheus sees
     a counter reset.  The others stay on disk, are reaped by the usual rules,
     and are listed in /healthz as "duplicate-labels" warnings meanwhile.
+
+    A scrape publishes its stores a batch at a time, and a batch never splits
+    the stores of one pid (``_batches``): a writer names its store with its
+    own pid, so every store that can share a label set is in the batch that
+    decides between them.  A store whose bytes name another pid than its file
+    name (no writer of ours makes one) can only lose to a store already
+    published: the exposition stays valid.
     """
-    views = result.live + result.stale
-    winners: dict[tuple[str, str, int, int, str], RankView] = {}
-    for view in views:
-        key = label_key(view.snapshot)
-        best = winners.get(key)
-        if best is None or _precedence(view) > _precedence(best):
-            winners[key] = view
-    if len(winners) == len(views):
-        return
-    keep = {id(view) for view in winners.values()}
-    result.live = [v for v in result.live if id(v) in keep]
-    result.stale = [v for v in result.stale if id(v) in keep]
-    for view in sorted((v for v in views if id(v) not in keep), key=lambda v: v.snapshot.name):
-        snap, winner = view.snapshot, winners[label_key(view.snapshot)].snapshot
-        message = (f"{snap.name} ({'live' if view.alive else 'departed'}) has the same labels as {winner.name} "
+
+    def __init__(self, directory: Path, warnings: list[dict[str, object]]) -> None:
+        self._directory = directory
+        self._warnings = warnings
+        self._published: dict[tuple[str, str, int, int, str], str] = {}  # label set -> the file published with it
+
+    def __call__(self, views: list[RankView]) -> list[RankView]:
+        """This batch's views to publish, in order."""
+        winners: dict[tuple[str, str, int, int, str], RankView] = {}
+        losers: list[RankView] = []
+        for view in views:
+            key = label_key(view.snapshot)
+            best = winners.get(key)
+            if key in self._published:
+                losers.append(view)
+            elif best is None:
+                winners[key] = view
+            elif _precedence(view) > _precedence(best):
+                winners[key] = view
+                losers.append(best)
+            else:
+                losers.append(view)
+        for key, view in winners.items():
+            self._published[key] = view.snapshot.name
+        if not losers:
+            return views
+        for view in sorted(losers, key=lambda v: v.snapshot.name):
+            self._warn(view, self._published[label_key(view.snapshot)])
+        gone = {id(view) for view in losers}
+        return [view for view in views if id(view) not in gone]
+
+    def _warn(self, view: RankView, winner: str) -> None:
+        snap = view.snapshot
+        message = (f"{snap.name} ({'live' if view.alive else 'departed'}) has the same labels as {winner} "
                    f"(agent_name={snap.agent_name!r}, pid={snap.pid}, agent_instance={snap.instance}, "
                    f"hostname={snap.hostname!r}, local_rank={snap.local_rank!r}) and is not published; "
                    "ranks in separate pid namespaces (containers) can reuse a pid: give their agents "
                    "distinct names or NIXL_TELEMETRY_RANK_ENV values")
-        result.warnings.append({"kind": "duplicate-labels", "message": message,
-                                "details": {"file": str(snap.path), "published": str(winner.path),
-                                            "alive": view.alive}})
+        self._warnings.append({"kind": "duplicate-labels", "message": message,
+                               "details": {"file": str(snap.path), "published": str(self._directory / winner),
+                                           "alive": view.alive}})
         _warner.warn(("duplicate", snap.name), "%s", message)
+
+
+BATCH_STORES = 256  # stores read, decided and published at a time: what a scrape holds of their bytes
+
+
+def _batches(names: list[str]) -> Iterator[list[str]]:
+    """``names`` (sorted) in runs of about BATCH_STORES, never splitting the stores of one pid: every name
+    ``nixl.<pid>.…`` of one pid sorts together, since the "." after the pid sorts before any digit."""
+    start = 0
+    while start < len(names):
+        end = min(start + BATCH_STORES, len(names))
+        last = names[end - 1]
+        prefix = last[:last.index(".", 5) + 1]  # "nixl.<pid>."
+        while end < len(names) and names[end].startswith(prefix):
+            end += 1
+        yield names[start:end]
+        start = end
+
+
+_NO_VALUES = array("Q")
+
+
+def _without_values(snap: Snapshot) -> Snapshot:
+    """A store as a census keeps it: who it is, not its values (nor the bytes its templates are cached by)."""
+    return replace(snap, words=_NO_VALUES, bounds=(), identity_key=b"")
+
+
+Publish = Callable[[Sequence[RankView]], None]
 
 
 class _TransientLog:
@@ -187,27 +243,54 @@ class Collector:
         # reap it lists as departed with no time left, for the owner to reap.
         self.reap = reap
 
-    def collect(self) -> Collection:
+    def collect(self, publish: Publish | None = None) -> Collection:
+        """Every store of the directory, placed; departed ones past their TTL reaped.
+
+        With ``publish``, the collection lists no rank: each batch of published stores (in file-name order,
+        duplicates decided) is handed to it as soon as it is read, so that a scrape of any number of stores
+        holds one batch's values at a time.
+        """
         result = Collection()
-        # One call lists, opens, probes and reads every store: with the C
-        # scanner that is one GIL release per scrape, so a busy thread in
-        # this process cannot make each store's system calls wait for it.
         try:
-            entries = scan(self.directory)
+            names = list_stores(self.directory)
         except OSError as exc:
             self.scan_failed(exc, result)
             return result
-        # Read *after* every store's bytes were: see place().
-        now = time.monotonic_ns()
+        dedupe = _Dedupe(self.directory, result.warnings)
         skipped: list[Unreadable] = []
-        for entry in entries:
-            outcome = self._collect_one(entry, now, result)
-            if outcome is not None:
-                skipped.append(outcome)
+        for batch in _batches(names):
+            # One call opens, probes and reads a batch: with the C scanner that is one GIL release per batch,
+            # so a busy thread in this process cannot make each store's system calls wait for it.
+            try:
+                entries = read_stores(self.directory, batch)
+            except OSError as exc:
+                self.scan_failed(exc, result)
+                return result
+            # Read *after* every store's bytes were: see place().
+            now = time.monotonic_ns()
+            views: list[RankView] = []
+            for entry in entries:
+                outcome = self._collect_one(entry, now, result, views)
+                if outcome is not None:
+                    skipped.append(outcome)
+            if publish is not None:
+                publish(dedupe(views))
+            else:
+                for view in dedupe(views):
+                    (result.live if view.alive else result.stale).append(view)
         if skipped:
             _transient_log.warn(f"this scrape skipped {len(skipped)} store(s) ({skipped[0].path.name}: "
                                 f"{skipped[0].reason})")
-        dedupe(result)
+        return result
+
+    def census(self) -> Collection:
+        """Who is live and who departed, without their values: what /healthz and the serving process's own
+        decisions need, at a few hundred bytes per store rather than several kilobytes."""
+        kept: list[RankView] = []
+        result = self.collect(lambda views: kept.extend(replace(view, snapshot=_without_values(view.snapshot))
+                                                        for view in views))
+        for view in kept:
+            (result.live if view.alive else result.stale).append(view)
         return result
 
     def scan_failed(self, exc: OSError, result: Collection) -> None:
@@ -219,19 +302,23 @@ class Collector:
             _warner.warn(("scan", result.scan_error), "%s; /metrics is empty until it can be read again",
                          result.scan_error)
 
-    def _collect_one(self, entry: Entry, now: int, result: Collection) -> Unreadable | None:
-        """Place one scanned store in ``result``; a transient failure is returned for the scrape's summary."""
+    def _collect_one(self, entry: Entry, now: int, result: Collection, views: list[RankView]) -> Unreadable | None:
+        """Place one scanned store in ``views`` (its warnings in ``result``); a transient failure is returned for
+        the scrape's summary."""
         if entry.data is None:
             return self.unreadable(unreadable(entry, self.directory / entry.name), result)
         content = decode_named(entry.data, self.directory, entry.name)
         if isinstance(content, InvalidStore):
             self.invalid(entry.ino, content, entry.alive, result)
         else:
-            self.place(entry.ino, content, entry.alive, now, result)
+            view = self.place(entry.ino, content, entry.alive, now)
+            if view is not None:
+                views.append(view)
         return None
 
-    def place(self, ino: int, snap: Snapshot, alive: bool, now: int, result: Collection) -> None:
-        """Publish a valid store as live or departed, or reap it (``ino``: the inode the scan read, for the reap).
+    def place(self, ino: int, snap: Snapshot, alive: bool, now: int) -> RankView | None:
+        """A valid store's view, live or departed, or None once reaped (``ino``: the inode the scan read, for the
+        reap).
 
         ``now`` is CLOCK_MONOTONIC read *after* the store's bytes were read:
         a stamp written before our read can then never be ahead of it, so a
@@ -240,25 +327,22 @@ class Collector:
         """
         if alive:
             # A writer in another time namespace can be "in the future": age 0.
-            result.live.append(RankView(snap, True, max(0, now - snap.last_update_ns) / 1e9, None))
-            return
+            return RankView(snap, True, max(0, now - snap.last_update_ns) / 1e9, None)
         if snap.last_update_ns > now:
             if self._reap(snap.path, ino):
                 log.info("reaped %s (agent %r, pid %d): departed, and stamped %.1f s ahead of this host's "
                          "monotonic clock (written before a reboot, or in another time namespace), so its age "
                          "cannot be known", snap.name, snap.agent_name, snap.pid, (snap.last_update_ns - now) / 1e9)
-            else:
-                result.stale.append(RankView(snap, False, 0.0, 0.0))
-            return
+                return None
+            return RankView(snap, False, 0.0, 0.0)
         age_ns = now - snap.last_update_ns
         if age_ns > self._ttl_ns:
             if self._reap(snap.path, ino):
                 log.info("reaped %s (agent %r, pid %d): departed and not updated for %.1f s, past the %.1f s TTL",
                          snap.name, snap.agent_name, snap.pid, age_ns / 1e9, self.stale_ttl_s)
-            else:
-                result.stale.append(RankView(snap, False, age_ns / 1e9, 0.0))
-        else:
-            result.stale.append(RankView(snap, False, age_ns / 1e9, (self._ttl_ns - age_ns) / 1e9))
+                return None
+            return RankView(snap, False, age_ns / 1e9, 0.0)
+        return RankView(snap, False, age_ns / 1e9, (self._ttl_ns - age_ns) / 1e9)
 
     def invalid(self, ino: int, bad: InvalidStore, alive: bool, result: Collection) -> None:
         """A store-named file of ours whose bytes are not a store: reaped once nobody holds it."""

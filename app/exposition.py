@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
-from typing import Any, cast
+from typing import Any
 
 from prometheus_client.exposition import generate_latest as generate_text
 from prometheus_client.metrics_core import Metric
@@ -238,9 +238,10 @@ class _RankLines:
     the templates a scrape streams through stay compact.
     """
 
-    __slots__ = ("_big", "_labels", "small")
+    __slots__ = ("_big", "_labels", "seen", "small")
 
     def __init__(self, snap: Snapshot) -> None:
+        self.seen = 0  # the last exposition that used it (Renderer's cache keeps what the last scrape saw)
         # prometheus_client sorts label names: agent_instance, agent_name,
         # hostname, [le], [local_rank], pid, [status].
         labels = label_pairs(snap)
@@ -281,81 +282,151 @@ _PLAN = tuple(_plan(fam) for fam in FAMILIES)
 _native = native.load("_render")
 
 
+Body = tuple[bytes, ...]  # an exposition in pieces, in order: what a WSGI answer iterates over
+
+
 class Renderer:
     """Renders snapshots to exposition bytes, caching each store's templates.
 
     A store's labels never change, so its sample lines are turned into
     %-templates once; a scrape then costs one C-level format per store and
     family, plus one Python-level number format per histogram sum and per
-    value above 2**53.  Concurrent scrapes share one renderer: the cache is
-    only read, filled and trimmed under a lock.
+    value above 2**53.  The cache keeps the stores the last scrape saw, at
+    most CACHE_MAX of them (beyond, a store's templates are made for the scrape
+    and dropped with it: a directory of 50 000 departed stores must not hold
+    their templates, a body's worth, between scrapes).  Concurrent scrapes
+    share one renderer: the cache is only read, filled and trimmed under a
+    lock.
     """
+
+    CACHE_MAX = 2048
 
     def __init__(self) -> None:
         self._cache: dict[bytes, _RankLines] = {}
         self._lock = threading.Lock()
+        self._generation = 0
+
+    def exposition(self, openmetrics: bool = False) -> Exposition:
+        """A body to add stores to, a batch at a time."""
+        with self._lock:
+            self._generation += 1
+            return Exposition(self, self._generation, openmetrics)
 
     def render(self, snapshots: Sequence[Snapshot], openmetrics: bool = False, tail: bytes = b"") -> bytes:
         """NIXL's families over ``snapshots``, then ``tail`` (the endpoint's own families: ``endpoint_lines``),
-        then OpenMetrics' ``# EOF``."""
-        if not snapshots:
-            return tail + _OM_EOF_BYTES if openmetrics else tail
-        # Parallel lists rather than a tuple per store: a scrape of N stores
-        # allocates O(1) long-lived objects here, which keeps the cyclic GC out.
-        words_of: list[array[int]] = []
-        buckets_of: list[int] = []
-        lines_of: list[_RankLines] = []
-        # Under the lock: another scrape's trim below iterates the cache while
-        # this one inserts into it ("dictionary changed size during iteration").
+        then OpenMetrics' ``# EOF``, in one piece."""
+        body = self.exposition(openmetrics)
+        body.add(snapshots)
+        return b"".join(body.finish(tail))
+
+    def lines(self, snapshots: Sequence[Snapshot], generation: int) -> list[_RankLines]:
+        """Each store's templates, from the cache where it has them."""
+        out = []
         with self._lock:
             cache = self._cache
             for snap in snapshots:
                 lines = cache.get(snap.identity_key)
                 if lines is None:
-                    lines = cache[snap.identity_key] = _RankLines(snap)
-                words_of.append(snap.words)
-                buckets_of.append(len(snap.bounds) + 1)
-                lines_of.append(lines)
-            if len(cache) > 2 * len(snapshots) + 64:  # departed stores: keep the cache bounded
-                keep = {snap.identity_key for snap in snapshots}
-                self._cache = {k: v for k, v in cache.items() if k in keep}
+                    lines = _RankLines(snap)
+                    if len(cache) < self.CACHE_MAX:
+                        cache[snap.identity_key] = lines
+                lines.seen = max(lines.seen, generation)
+                out.append(lines)
+        return out
+
+    def trim(self, generation: int) -> None:
+        """Forget the stores the exposition ``generation`` did not see (departed and reaped since), unless a
+        later one did.  (A new dict rather than deletions: another scrape may be iterating the old one.)"""
+        with self._lock:
+            if any(lines.seen < generation for lines in self._cache.values()):
+                self._cache = {k: v for k, v in self._cache.items() if v.seen >= generation}
+
+
+class Exposition:
+    """One body in the making: NIXL's families over stores added a batch at a time, in order, then ``finish``.
+
+    Each family's lines come together in an exposition, while a scrape reads its stores a batch at a time so that
+    it never holds every store's values at once (app.collector): each batch is rendered into one piece per
+    family, and the body is every family's header and pieces in turn.  It is never joined: the HTTP servers send
+    the pieces as they are (app.http: one sendmsg of many), so a large body is held once, not twice.  A family's
+    small pieces are joined as they add up to PIECE_BYTES: a body is then a few large blocks, each of which
+    malloc maps apart and gives back to the system when the body is freed (app.malloc), rather than thousands
+    of small ones scattered over the heap.
+    """
+
+    PIECE_BYTES = 256 << 10
+
+    def __init__(self, renderer: Renderer, generation: int, openmetrics: bool) -> None:
+        self._renderer = renderer
+        self._generation = generation
+        self.openmetrics = openmetrics
+        self._families: list[list[bytes]] = [[header] for header in (_OM_HEADERS if openmetrics else _TEXT_HEADERS)]
+        self._pending: list[list[bytes]] = [[] for _ in FAMILIES]  # each family's pieces yet to be joined
+        self.stores = 0
+
+    def add(self, snapshots: Sequence[Snapshot]) -> None:
+        if not snapshots:
+            return
+        lines_of = self._renderer.lines(snapshots, self._generation)
+        words_of = [snap.words for snap in snapshots]
+        buckets_of = [len(snap.bounds) + 1 for snap in snapshots]
+        pieces = None
         if _native is not None:
             # The same fill in C, without the GIL; None leaves it to the loop below (a forged store whose
             # cumulative bucket counts pass 2**64).
-            body = _native.render(_OM_HEADERS if openmetrics else _TEXT_HEADERS, _PLAN, words_of, buckets_of,
-                                  [lines.small for lines in lines_of], tail + _OM_EOF_BYTES if openmetrics else tail)
-            if body is not None:
-                return cast(bytes, body)
-        fmt, exact = _format_bytes, _EXACT_FLOAT_LIMIT
+            pieces = _native.render(_PLAN, words_of, buckets_of, [lines.small for lines in lines_of])
+        for family, pending, piece in zip(self._families, self._pending,
+                                          pieces or _render_python(words_of, buckets_of, lines_of), strict=True):
+            pending.append(piece)
+            if sum(map(len, pending)) >= self.PIECE_BYTES:
+                family.append(piece if len(pending) == 1 else b"".join(pending))
+                pending.clear()
+        self.stores += len(snapshots)
+
+    def finish(self, tail: bytes = b"") -> Body:
+        """The body: NIXL's families (none without a store), ``tail``, and OpenMetrics' ``# EOF``."""
+        self._renderer.trim(self._generation)
+        pieces: list[bytes] = []
+        if self.stores:
+            for family, pending in zip(self._families, self._pending, strict=True):
+                pieces += family
+                if pending:
+                    pieces.append(pending[0] if len(pending) == 1 else b"".join(pending))
+        pieces.append(tail)
+        if self.openmetrics:
+            pieces.append(_OM_EOF_BYTES)
+        return tuple(pieces)
+
+
+def _render_python(words_of: list[array[int]], buckets_of: list[int], lines_of: list[_RankLines]) -> list[bytes]:
+    """store._render's fill, in Python: each family's lines for these stores."""
+    fmt, exact = _format_bytes, _EXACT_FLOAT_LIMIT
+    out = []
+    for i, fam in enumerate(FAMILIES):
         parts: list[bytes] = []
         append = parts.append
-        for i, (fam, header) in enumerate(zip(FAMILIES, _OM_HEADERS if openmetrics else _TEXT_HEADERS,
-                                              strict=True)):
-            append(header)
-            smalls = [lines.small[i] for lines in lines_of]
-            slot = fam.events[0]
-            if fam.kind == "histogram":
-                first, total_at = W_BUCKETS + slot * BUCKET_SLOTS, W_SUMS + slot
-                for words, nb, small in zip(words_of, buckets_of, smalls, strict=True):
-                    cumulative: list[Any] = list(accumulate(words[first:first + nb]))  # buckets, count, sum
-                    cumulative.append(cumulative[-1])
-                    value = words[total_at]
-                    cumulative.append(b"%d" % value if value <= exact else fmt(value))
-                    append(small % tuple(cumulative))
-            elif len(fam.events) == 1:
-                at = (W_GAUGES if fam.kind == "gauge" else W_COUNTERS) + slot
-                for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
-                    value = words[at]
-                    append(small % value if value <= exact else lines.big(i) % fmt(value))
-            else:
-                pick = itemgetter(*(W_COUNTERS + ev for ev in fam.events))
-                for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
-                    values = pick(words)
-                    append(small % values if max(values) <= exact else lines.big(i) % tuple(map(fmt, values)))
-        append(tail)
-        if openmetrics:
-            append(_OM_EOF_BYTES)
-        return b"".join(parts)
+        smalls = [lines.small[i] for lines in lines_of]
+        slot = fam.events[0]
+        if fam.kind == "histogram":
+            first, total_at = W_BUCKETS + slot * BUCKET_SLOTS, W_SUMS + slot
+            for words, nb, small in zip(words_of, buckets_of, smalls, strict=True):
+                cumulative: list[Any] = list(accumulate(words[first:first + nb]))  # buckets, count, sum
+                cumulative.append(cumulative[-1])
+                value = words[total_at]
+                cumulative.append(b"%d" % value if value <= exact else fmt(value))
+                append(small % tuple(cumulative))
+        elif len(fam.events) == 1:
+            at = (W_GAUGES if fam.kind == "gauge" else W_COUNTERS) + slot
+            for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
+                value = words[at]
+                append(small % value if value <= exact else lines.big(i) % fmt(value))
+        else:
+            pick = itemgetter(*(W_COUNTERS + ev for ev in fam.events))
+            for words, small, lines in zip(words_of, smalls, lines_of, strict=True):
+                values = pick(words)
+                append(small % values if max(values) <= exact else lines.big(i) % tuple(map(fmt, values)))
+        out.append(b"".join(parts))
+    return out
 
 
 def reference_render(snapshots: Sequence[Snapshot], openmetrics: bool = False) -> bytes:

@@ -24,13 +24,13 @@ encoding to another).
 
 from __future__ import annotations
 
-import gzip
 import ipaddress
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -42,7 +42,7 @@ from werkzeug.routing import Map, Rule
 from werkzeug.wrappers import Response
 
 from app.collector import Collection, Collector, RankView
-from app.exposition import EndpointState, Renderer, endpoint_lines
+from app.exposition import Body, EndpointState, Renderer, endpoint_lines
 from app.health import WarningDoc
 from store import native
 
@@ -164,24 +164,27 @@ def _rank_json(view: RankView) -> dict[str, Any]:
     return out
 
 
-def endpoint_state(collection: Collection, draining: bool) -> EndpointState | None:
-    """What /metrics says of the job in the endpoint's own families; None (nothing said) when the directory could
-    not be scanned: zero live ranks would then read as a job that ended, where the endpoint in fact broke."""
-    if collection.scan_error is not None:
-        return None
-    return EndpointState(live=len(collection.live), departed=len(collection.stale), draining=draining)
-
-
 _Format = tuple[bool, bool]  # (OpenMetrics, gzip): what a /metrics body is, given the request's headers
+
+
+def _gzipped(body: Body) -> Body:
+    # Level 1: at 1024 ranks it compresses the 9 MB body in about a third of level 6's time, to a 16x smaller
+    # body instead of 21x (docs/performance.md): the scrape is what waits.
+    zipper = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # (16+: the gzip container)
+    out = [zipper.compress(piece) for piece in body]
+    out.append(zipper.flush())
+    return (b"".join(out),)
 
 
 class _Flight:
     """The /metrics requests answered from one collection: each format they asked for is rendered (and
-    compressed) once, and every one of them gets a reference to the same immutable bytes."""
+    compressed) once, and every one of them gets a reference to the same immutable pieces."""
 
     def __init__(self) -> None:
         self.formats: set[_Format] = set()
-        self.bodies: dict[_Format, bytes] = {}
+        self.bodies: dict[_Format, Body] = {}
+        self.size = 0  # the bytes of its bodies, once rendered
+        self.seq = 0  # once rendered: the how-manieth (the newest body is answered when too many are held)
         self.failed: BaseException | None = None
         self.done = threading.Event()
         self.holders = 0  # requests answering from it, until their answer is sent or cut (WSGI close)
@@ -194,7 +197,8 @@ class SharedScrapes:
     (app.connections.REQUEST_TIMEOUT_S): were each request to render its own, 60 such clients of a 7 MB body
     would hold 60 bodies (and 60 collections while they render).  Here the requests that arrive while a
     collection runs wait for it to end and then share the next one, so the server holds at most the
-    collection in progress and a body per collection being sent, however many clients ask.
+    collection in progress and a body per collection being sent, however many clients ask.  A collection holds
+    one batch of stores at a time (app.collector), and its body is never copied whole (app.exposition.Exposition).
 
     A request never gets a body whose collection began before it arrived: it joins only the flight that has not
     begun collecting yet, so what it is answered is as fresh as if it had been served alone (Prometheus's
@@ -202,33 +206,39 @@ class SharedScrapes:
     scrapes cost at most two collections, not N.
 
     But for one case: requests that arrive spread out (a loaded machine, clients one collection apart) would
-    each start a flight of their own, and never-reading clients would hold a body each again.  So while
-    MAX_HELD flights' bodies are held by answers in flight, a new request is answered from the newest body
-    there is (its collection at most one behind the request), rather than holding a body more.
+    each start a flight of their own, and never-reading clients would hold a body each again.  So while the
+    flights held by answers in flight are as many as the server keeps (MAX_HELD, and fewer for a large body: no
+    more than HELD_BYTES of them, but always two, so that a body being sent never stops the next collection), a
+    new request is answered from the newest body there is (its collection at most one behind the request),
+    rather than holding a body more.  A 200 MB body is then held at most twice.
     """
 
     MAX_HELD = 4
+    HELD_BYTES = 128 << 20
 
     def __init__(self, collector: Collector, renderer: Renderer, draining: Draining = lambda: False) -> None:
         self._collector = collector
         self._renderer = renderer
         self._draining = draining
-        self._lock = threading.Lock()  # guards _waiting, _held, _latest and the flights' holders
+        self._lock = threading.Lock()  # guards _waiting, _held, _flown and the flights' holders
         self._waiting: _Flight | None = None  # the flight requests join: its collection has not begun
         self._collecting = threading.Lock()  # held by the flight whose collection and renders are in progress
-        self._held: set[_Flight] = set()  # flights with holders: their bodies are alive
-        self._latest: _Flight | None = None  # the last flight that rendered its bodies
+        self._held: set[_Flight] = set()  # flights with holders: their bodies are alive (and only theirs)
+        self._flown = 0  # flights rendered so far
 
-    def body(self, form: _Format) -> tuple[bytes, Callable[[], None]]:
+    def body(self, form: _Format) -> tuple[Body, Callable[[], None]]:
         """The body of ``form`` for a request arriving now, and what to call once its answer is sent (or cut)."""
         with self._lock:
             flight, lead, done = self._waiting, False, False
-            latest = self._latest
-            if len(self._held) >= self.MAX_HELD and latest is not None and form in latest.bodies:
-                flight, done = latest, True
-            elif flight is None:
-                flight = self._waiting = _Flight()
-                lead = True
+            latest = max((held for held in self._held if form in held.bodies), key=lambda held: held.seq,
+                         default=None)
+            if flight is None:  # (a waiting flight holds no body yet: joining it costs nothing)
+                if (latest is not None
+                        and len(self._held) >= max(2, min(self.MAX_HELD, self.HELD_BYTES // max(latest.size, 1)))):
+                    flight, done = latest, True
+                else:
+                    flight = self._waiting = _Flight()
+                    lead = True
             flight.formats.add(form)
             flight.holders += 1
             self._held.add(flight)
@@ -260,37 +270,50 @@ class SharedScrapes:
             with self._collecting:
                 with self._lock:
                     self._waiting = None  # who arrives from now on waits for the next collection, not this one
-                formats = sorted(flight.formats)
-                collection = self._collector.collect()
-                state = endpoint_state(collection, self._draining())
-                rendered: dict[bool, bytes] = {}
-                for openmetrics, _ in formats:
-                    if openmetrics not in rendered:
-                        tail = b"" if state is None else endpoint_lines(state, openmetrics)
-                        rendered[openmetrics] = self._renderer.render(collection.published, openmetrics, tail)
-                del collection  # (its snapshots are the largest thing held while compressing)
-                for openmetrics, zipped in formats:
-                    body = rendered[openmetrics]
-                    if zipped:
-                        # Level 1: at 1024 ranks it compresses the 9 MB body in about a third of level 6's time,
-                        # to a 16x smaller body instead of 21x (docs/performance.md): the scrape is what waits.
-                        body = gzip.compress(body, compresslevel=1)
-                    flight.bodies[(openmetrics, zipped)] = body
-            with self._lock:
-                self._latest = flight
+                flight.bodies = self._bodies(sorted(flight.formats))
+                with self._lock:
+                    flight.size = sum(len(piece) for body in flight.bodies.values() for piece in body)
+                    flight.seq = self._flown = self._flown + 1
         except BaseException as exc:
             flight.failed = exc
             raise
         finally:
             flight.done.set()
 
+    def _bodies(self, formats: list[_Format]) -> dict[_Format, Body]:
+        """One collection, rendered in each of ``formats``."""
+        expositions = {openmetrics: self._renderer.exposition(openmetrics) for openmetrics, _ in formats}
+        live = departed = 0
+
+        def publish(views: Sequence[RankView]) -> None:
+            nonlocal live, departed
+            live += sum(view.alive for view in views)
+            departed += sum(not view.alive for view in views)
+            snapshots = [view.snapshot for view in views]
+            for exposition in expositions.values():
+                exposition.add(snapshots)
+
+        scan_error = self._collector.collect(publish).scan_error
+        state = EndpointState(live, departed, self._draining())
+        rendered: dict[bool, Body] = {}
+        for openmetrics, exposition in expositions.items():
+            if scan_error is None:
+                tail = endpoint_lines(state, openmetrics)
+            else:
+                # The directory could not be read (from the start, or midway): nothing, and nothing said of the
+                # job either, since zero live ranks would read as a job that ended where the endpoint broke.
+                exposition, tail = self._renderer.exposition(openmetrics), b""
+            rendered[openmetrics] = exposition.finish(tail)
+        return {(openmetrics, zipped): _gzipped(rendered[openmetrics]) if zipped else rendered[openmetrics]
+                for openmetrics, zipped in formats}
+
 
 class _Held(list[bytes]):
     """An answer's body, which the server holds until the answer is sent or cut: then it calls close() (WSGI),
     and the body's flight counts one holder less."""
 
-    def __init__(self, body: bytes, release: Callable[[], None]) -> None:
-        super().__init__([body])
+    def __init__(self, body: Body, release: Callable[[], None]) -> None:
+        super().__init__(body)
         self.close = release
 
 
@@ -334,7 +357,7 @@ class MetricsApp:
                    ("Vary", "Accept, Accept-Encoding")]
         if zipped:
             headers.append(("Content-Encoding", "gzip"))
-        headers.append(("Content-Length", str(len(body))))
+        headers.append(("Content-Length", str(sum(map(len, body)))))
         try:
             start_response("200 OK", headers)
         except BaseException:
@@ -353,7 +376,7 @@ class MetricsApp:
         only to keep its command line short).  A peer on another host (a probe, a scraper through a Service)
         gets the status, who serves, the ranks as /metrics labels them, and the warnings' kinds.
         """
-        collection: Collection = self.collector.collect()
+        collection: Collection = self.collector.census()
         warnings = self._extra_warnings() + collection.warnings
         doc: dict[str, Any] = {
             "status": "ok" if collection.scan_error is None else "unavailable",

@@ -136,7 +136,7 @@ def _scrape_section(results: Results) -> list[str]:
     for mode, title in (("http", "Scrape over HTTP: one GET /metrics on a fresh connection, body read to the "
                                  "end, both apps under the same threaded werkzeug server (ours: MetricsApp; "
                                  "reference: make_wsgi_app over MultiProcessCollector)"),
-                        ("inproc", "Scrape in-process: Collector.collect + Renderer.render vs "
+                        ("inproc", "Scrape in-process: Collector.collect rendering each batch (Renderer.exposition) vs "
                                    "MultiProcessCollector.collect + generate_latest")):
         rows = []
         for count, entry in sorted(results.scrape.items()):

@@ -261,7 +261,11 @@ def serve_ours(directory: str) -> tuple[dict[str, Any], Handler]:
     renderer = Renderer()
 
     def inproc() -> int:
-        return len(renderer.render(collector.collect().published))
+        # What a scrape does: the stores rendered batch by batch as the collection reads them, the body's
+        # pieces never joined (the server sends them as they are).
+        body = renderer.exposition()
+        collector.collect(lambda views: body.add([view.snapshot for view in views]))
+        return sum(map(len, body.finish()))
 
     return {"port": port, "pid": os.getpid(), **_status()}, _serve_handler(inproc)
 

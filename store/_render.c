@@ -4,10 +4,12 @@
  * app/exposition.py's Renderer keeps, per store and metric family, one
  * %-template of that store's sample lines ("name{labels} %d\n" ..., a label
  * value's own '%' doubled); its Python loop fills them with the store's
- * values.  render() here does the same fill for every family and store in
- * one call: it gathers pointers to the templates and words while holding the
- * GIL (no allocation per store), writes the whole body without it, and hands
- * back one bytes object.  Everything read without the GIL is owned by the
+ * values.  render() here does the same fill for every family and store of a
+ * batch in one call: it gathers pointers to the templates and words while
+ * holding the GIL (no allocation per store), writes every family's lines
+ * without it, and hands back one bytes object per family (a scrape renders
+ * its stores a batch at a time, and the body is every family's batches in
+ * turn: app/exposition.py).  Everything read without the GIL is owned by the
  * call: the caller's lists are copied into tuples first (another thread may
  * mutate them meanwhile), and each store's words are a buffer export.  The
  * Python loop stays the reference (and is used where this is not built); the
@@ -38,8 +40,6 @@ typedef struct {
     int kind;
     Py_ssize_t nwords;
     Py_ssize_t words[MAX_LINE_VALUES];  /* VALUES: one word per line; HISTOGRAM: first bucket, sum */
-    const char *header;
-    Py_ssize_t header_len;
 } Family;
 
 static char *write_u64(char *out, uint64_t v) {
@@ -139,20 +139,18 @@ typedef struct {
     Py_ssize_t *buckets;  /* per store: bucket words per histogram (bounds + 1) */
     const char **tmpl;    /* [store * nfamilies + family] */
     Py_ssize_t *tmpl_len;
-    const char *tail;
-    Py_ssize_t tail_len;
+    char **out;           /* per family: where its lines go (sized by the caller) */
+    Py_ssize_t *len;      /* per family: how long they came out */
 } Job;
 
-/* Write the body into out (sized by the caller); the length, or -1 if a
- * template did not match its values or a cumulative count overflowed. */
-static Py_ssize_t run(const Job *job, char *out) {
-    char *start = out;
+/* Write each family's lines into its out; 0, or -1 if a template did not
+ * match its values or a cumulative count overflowed. */
+static int run(const Job *job) {
     uint64_t values[MAX_LINE_VALUES];
     char as_double[MAX_LINE_VALUES];
     for (Py_ssize_t f = 0; f < job->nfamilies; f++) {
         const Family *fam = &job->families[f];
-        memcpy(out, fam->header, (size_t)fam->header_len);
-        out += fam->header_len;
+        char *out = job->out[f];
         for (Py_ssize_t s = 0; s < job->nstores; s++) {
             const uint64_t *w = job->words[s].buf;
             int count;
@@ -182,18 +180,13 @@ static Py_ssize_t run(const Job *job, char *out) {
             if (out == NULL)
                 return -1;
         }
+        job->len[f] = out - job->out[f];
     }
-    memcpy(out, job->tail, (size_t)job->tail_len);
-    out += job->tail_len;
-    return out - start;
+    return 0;
 }
 
-static int parse_families(PyObject *headers, PyObject *plan, Job *job) {
+static int parse_families(PyObject *plan, Job *job) {
     job->nfamilies = PyTuple_GET_SIZE(plan);
-    if (!PyTuple_Check(headers) || PyTuple_GET_SIZE(headers) != job->nfamilies) {
-        PyErr_SetString(PyExc_ValueError, "render: headers and plan differ in length");
-        return -1;
-    }
     job->families = PyMem_Calloc((size_t)job->nfamilies, sizeof(Family));
     if (job->families == NULL) {
         PyErr_NoMemory();
@@ -201,12 +194,9 @@ static int parse_families(PyObject *headers, PyObject *plan, Job *job) {
     }
     for (Py_ssize_t f = 0; f < job->nfamilies; f++) {
         Family *fam = &job->families[f];
-        PyObject *header = PyTuple_GET_ITEM(headers, f), *entry = PyTuple_GET_ITEM(plan, f), *words;
-        if (!PyBytes_Check(header) || !PyTuple_Check(entry)
-            || !PyArg_ParseTuple(entry, "iO!", &fam->kind, &PyTuple_Type, &words))
+        PyObject *entry = PyTuple_GET_ITEM(plan, f), *words;
+        if (!PyTuple_Check(entry) || !PyArg_ParseTuple(entry, "iO!", &fam->kind, &PyTuple_Type, &words))
             goto bad;
-        fam->header = PyBytes_AS_STRING(header);
-        fam->header_len = PyBytes_GET_SIZE(header);
         fam->nwords = PyTuple_GET_SIZE(words);
         if (fam->nwords > MAX_LINE_VALUES || (fam->kind == KIND_HISTOGRAM && fam->nwords != 2)
             || (fam->kind != KIND_HISTOGRAM && fam->kind != KIND_VALUES))
@@ -225,12 +215,12 @@ bad:
 }
 
 static PyObject *render(PyObject *module, PyObject *args) {
-    PyObject *headers, *plan, *words_of, *buckets_of, *smalls_of, *tail;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!:render", &PyTuple_Type, &headers, &PyTuple_Type, &plan,
-                          &PyList_Type, &words_of, &PyList_Type, &buckets_of, &PyList_Type, &smalls_of,
-                          &PyBytes_Type, &tail))
+    PyObject *plan, *words_of, *buckets_of, *smalls_of;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!:render", &PyTuple_Type, &plan, &PyList_Type, &words_of,
+                          &PyList_Type, &buckets_of, &PyList_Type, &smalls_of))
         return NULL;
     Job job = {0};
+    Py_ssize_t *bound = NULL;
     PyObject *result = NULL;
     Py_ssize_t acquired = 0;
     /* Our own references: the templates are read without the GIL, while the caller's lists are
@@ -245,22 +235,20 @@ static PyObject *render(PyObject *module, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "render: words, buckets and templates differ in length");
         goto done;
     }
-    if (parse_families(headers, plan, &job) != 0)
+    if (parse_families(plan, &job) != 0)
         goto done;
-    job.tail = PyBytes_AS_STRING(tail);
-    job.tail_len = PyBytes_GET_SIZE(tail);
     job.words = PyMem_Calloc((size_t)job.nstores + 1, sizeof(Py_buffer));
     job.buckets = PyMem_Calloc((size_t)job.nstores + 1, sizeof(Py_ssize_t));
     job.tmpl = PyMem_Calloc((size_t)(job.nstores * job.nfamilies) + 1, sizeof(char *));
     job.tmpl_len = PyMem_Calloc((size_t)(job.nstores * job.nfamilies) + 1, sizeof(Py_ssize_t));
-    if (!job.words || !job.buckets || !job.tmpl || !job.tmpl_len) {
+    job.out = PyMem_Calloc((size_t)job.nfamilies + 1, sizeof(char *));
+    job.len = PyMem_Calloc((size_t)job.nfamilies + 1, sizeof(Py_ssize_t));
+    bound = PyMem_Calloc((size_t)job.nfamilies + 1, sizeof(Py_ssize_t));
+    if (!job.words || !job.buckets || !job.tmpl || !job.tmpl_len || !job.out || !job.len || !bound) {
         PyErr_NoMemory();
         goto done;
     }
-    /* The bound: every template byte, plus MAX_NUMBER per value it takes. */
-    Py_ssize_t bound = job.tail_len;
-    for (Py_ssize_t f = 0; f < job.nfamilies; f++)
-        bound += job.families[f].header_len;
+    /* Each family's bound: every template byte, plus MAX_NUMBER per value it takes. */
     for (Py_ssize_t s = 0; s < job.nstores; s++) {
         /* The buffer export also keeps the words array from being resized meanwhile. */
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(words, s), &job.words[s], PyBUF_SIMPLE) != 0)
@@ -290,25 +278,46 @@ static PyObject *render(PyObject *module, PyObject *args) {
             }
             job.tmpl[s * job.nfamilies + f] = PyBytes_AS_STRING(t);
             job.tmpl_len[s * job.nfamilies + f] = PyBytes_GET_SIZE(t);
-            bound += PyBytes_GET_SIZE(t)
+            bound[f] += PyBytes_GET_SIZE(t)
                 + MAX_NUMBER * (fam->kind == KIND_HISTOGRAM ? job.buckets[s] + 2 : fam->nwords);
         }
     }
-    /* Written straight into the bytes object (nobody else can see it yet),
-     * then shrunk: a 9 MB body is neither copied nor faulted in twice. */
-    result = PyBytes_FromStringAndSize(NULL, bound);
-    if (result == NULL)
+    /* Written straight into the bytes objects (nobody else can see them yet),
+     * then shrunk: the lines are neither copied nor faulted in twice. */
+    if ((result = PyTuple_New(job.nfamilies)) == NULL)
         goto done;
-    char *out = PyBytes_AS_STRING(result);
-    Py_ssize_t len;
+    for (Py_ssize_t f = 0; f < job.nfamilies; f++) {
+        /* (one byte more: never the shared empty bytes, which must not be resized) */
+        PyObject *lines = PyBytes_FromStringAndSize(NULL, bound[f] + 1);
+        if (lines == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyTuple_SET_ITEM(result, f, lines);
+        job.out[f] = PyBytes_AS_STRING(lines);
+    }
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    len = run(&job, out);
+    rc = run(&job);
     Py_END_ALLOW_THREADS
-    if (len < 0)
+    if (rc < 0) {
         Py_SETREF(result, Py_NewRef(Py_None));
-    else
-        _PyBytes_Resize(&result, len);  /* on failure: result is NULL and the error set */
+        goto done;
+    }
+    for (Py_ssize_t f = 0; f < job.nfamilies; f++) {
+        /* (the tuple is ours alone: its items may still be resized in place) */
+        PyObject *lines = PyTuple_GET_ITEM(result, f);
+        if (_PyBytes_Resize(&lines, job.len[f]) != 0) {  /* on failure: lines is freed and the error set */
+            PyTuple_SET_ITEM(result, f, NULL);
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyTuple_SET_ITEM(result, f, lines);
+    }
 done:
+    PyMem_Free(bound);
+    PyMem_Free(job.out);
+    PyMem_Free(job.len);
     for (Py_ssize_t s = 0; s < acquired; s++)
         PyBuffer_Release(&job.words[s]);
     PyMem_Free(job.families);
@@ -324,7 +333,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"render", render, METH_VARARGS,
-     "render(headers, plan, words_of, buckets_of, smalls_of, tail) -> bytes, or None to let the Python loop "
+     "render(plan, words_of, buckets_of, smalls_of) -> one bytes per family, or None to let the Python loop "
      "do it; see app/exposition.py"},
     {NULL, NULL, 0, NULL},
 };

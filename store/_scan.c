@@ -1,12 +1,14 @@
-/* store._scan: one scrape's directory scan with the GIL released once.
+/* store._scan: a scrape's directory scan with the GIL released once per batch.
  *
  * The collector's per-store system calls (open, fstat, flock probe, unlock,
  * pread, close) each release the GIL.  When a thread of the serving process
  * is busy in Python, every one of them then waits up to a switch interval
  * (5 ms) to take the GIL back, so a scrape of N stores costs N x 6 x 5 ms.
- * scan() does the whole listing and every store's calls in one
- * Py_BEGIN_ALLOW_THREADS block, into C buffers, and only then builds the
- * Python objects: O(1) GIL hand-offs per scrape, whatever the store count.
+ * list() does the directory's listing, and read() every call of a batch of
+ * stores, each in one Py_BEGIN_ALLOW_THREADS block, into C buffers, and only
+ * then builds the Python objects: O(1) GIL hand-offs per batch, whatever the
+ * file count.  (A scrape reads its stores a batch at a time so that it never
+ * holds every store's bytes at once: app/collector.py.)
  *
  * store/scan.py is the pure-Python twin and documents the result; the tests
  * prove both give identical results on the same directory.  Any change here
@@ -34,7 +36,7 @@ enum { OK = 0, MISSING = 1, FOREIGN = 2, NOT_REGULAR = 3, UNREADABLE = 4, SHORT 
 /* What the scan keeps per store until the Python objects are built: only
  * what was read, so a directory of many short or foreign files costs little. */
 typedef struct {
-    char *name;    /* malloc'ed */
+    const char *name;  /* the caller's (read() holds a reference to it) */
     int outcome;
     int err;       /* errno of the failed call, else 0 */
     int alive;     /* a writer holds the lock (or the probe failed) */
@@ -77,10 +79,6 @@ static int is_store_name(const char *s) {
         s++;
     }
     return strcmp(s, "mmap") == 0;
-}
-
-static int by_name(const void *a, const void *b) {
-    return strcmp(((const Entry *)a)->name, ((const Entry *)b)->name);
 }
 
 /* One store: open without following links, blocking or taking a terminal
@@ -139,20 +137,19 @@ static void scan_one(int dir_fd, Entry *e, uid_t euid, char *scratch) {
     close(fd);
 }
 
-static void free_entries(Entry *entries, size_t count) {
-    for (size_t i = 0; i < count; i++) {
-        free(entries[i].name);
-        free(entries[i].data);
-    }
-    free(entries);
+static int by_name(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-/* List and read the stores; on failure return -1 with errno set (nothing
- * allocated).  Runs without the GIL: no Python API in here.  The directory's
- * one descriptor serves the listing and every openat(), so a process short of
- * descriptors fails the same way as the twin: no listing without one free
- * descriptor, no store opened without a second. */
-static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
+static void free_names(char **names, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        free(names[i]);
+    free(names);
+}
+
+/* The store names in the directory, sorted; on failure -1 with errno set
+ * (nothing allocated).  Runs without the GIL: no Python API in here. */
+static int list_dir(const char *directory, char ***out, size_t *out_count) {
     int dir_fd;
     RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     dir_fd = above_stdio(dir_fd);
@@ -166,9 +163,8 @@ static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
         return -1;
     }
     size_t count = 0, capacity = 64;
-    Entry *entries = malloc(capacity * sizeof(Entry));
-    char *scratch = malloc(STORE_SIZE);
-    int failed = entries == NULL || scratch == NULL ? ENOMEM : 0;
+    char **names = malloc(capacity * sizeof(char *));
+    int failed = names == NULL ? ENOMEM : 0;
     while (!failed) {
         errno = 0;
         struct dirent *d = readdir(dir);
@@ -179,82 +175,156 @@ static int scan_dir(const char *directory, Entry **out, size_t *out_count) {
         if (strlen(d->d_name) > NAME_MAX_LEN || !is_store_name(d->d_name))
             continue;
         if (count == capacity) {
-            Entry *grown = realloc(entries, 2 * capacity * sizeof(Entry));
+            char **grown = realloc(names, 2 * capacity * sizeof(char *));
             if (grown == NULL) {
                 failed = ENOMEM;
                 break;
             }
-            entries = grown;
+            names = grown;
             capacity *= 2;
         }
-        Entry *e = &entries[count];
-        memset(e, 0, sizeof(*e));
-        if ((e->name = strdup(d->d_name)) == NULL) {
+        if ((names[count] = strdup(d->d_name)) == NULL) {
             failed = ENOMEM;
             break;
         }
         count++;
     }
+    closedir(dir);
     if (failed) {
-        free_entries(entries, entries == NULL ? 0 : count);
-        free(scratch);
-        closedir(dir);
+        free_names(names, names == NULL ? 0 : count);
         errno = failed;
         return -1;
     }
-    qsort(entries, count, sizeof(Entry), by_name);
-    uid_t euid = geteuid();
-    for (size_t i = 0; i < count; i++)
-        scan_one(dirfd(dir), &entries[i], euid, scratch);
-    free(scratch);
-    closedir(dir);
-    *out = entries;
+    qsort(names, count, sizeof(char *), by_name);
+    *out = names;
     *out_count = count;
     return 0;
 }
 
-static PyObject *scan(PyObject *module, PyObject *arg) {
+/* Read the given stores; on failure to open the directory -1 with errno set.
+ * Runs without the GIL.  The directory's one descriptor serves every openat(),
+ * so a process short of descriptors fails as the twin does: no store opened
+ * without a second free descriptor. */
+static int read_dir(const char *directory, Entry *entries, size_t count) {
+    int dir_fd;
+    RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    dir_fd = above_stdio(dir_fd);
+    if (dir_fd < 0)
+        return -1;
+    char *scratch = malloc(STORE_SIZE);
+    if (scratch == NULL) {
+        close(dir_fd);
+        errno = ENOMEM;
+        return -1;
+    }
+    uid_t euid = geteuid();
+    for (size_t i = 0; i < count; i++)
+        scan_one(dir_fd, &entries[i], euid, scratch);
+    free(scratch);
+    close(dir_fd);
+    return 0;
+}
+
+static PyObject *list_stores(PyObject *module, PyObject *arg) {
     PyObject *path_bytes = NULL;
     if (!PyUnicode_FSConverter(arg, &path_bytes))
         return NULL;
-    const char *directory = PyBytes_AS_STRING(path_bytes);
-    Entry *entries = NULL;
+    char **names = NULL;
     size_t count = 0;
     int rc, saved_errno = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = scan_dir(directory, &entries, &count);
+    rc = list_dir(PyBytes_AS_STRING(path_bytes), &names, &count);
+    if (rc != 0)
+        saved_errno = errno;
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path_bytes);
+    if (rc != 0) {
+        errno = saved_errno;
+        return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, arg);
+    }
+    PyObject *result = PyList_New((Py_ssize_t)count);
+    for (size_t i = 0; result != NULL && i < count; i++) {
+        PyObject *name = PyUnicode_DecodeFSDefault(names[i]);
+        if (name == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, (Py_ssize_t)i, name);
+    }
+    free_names(names, count);
+    return result;
+}
+
+static void free_data(Entry *entries, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        free(entries[i].data);
+    free(entries);
+}
+
+static PyObject *read_stores(PyObject *module, PyObject *args) {
+    PyObject *directory, *names_list, *path_bytes = NULL, *result = NULL;
+    if (!PyArg_ParseTuple(args, "OO!:read", &directory, &PyList_Type, &names_list))
+        return NULL;
+    /* Our own reference to the names: their UTF-8 is read without the GIL. */
+    PyObject *names = PyList_AsTuple(names_list);
+    if (names == NULL)
+        return NULL;
+    size_t count = (size_t)PyTuple_GET_SIZE(names);
+    Entry *entries = calloc(count + 1, sizeof(Entry));
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (size_t i = 0; i < count; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, (Py_ssize_t)i);
+        Py_ssize_t len;
+        /* Only a store name is ever opened, whoever asks. */
+        if (!PyUnicode_Check(name) || (entries[i].name = PyUnicode_AsUTF8AndSize(name, &len)) == NULL
+            || len > NAME_MAX_LEN || (Py_ssize_t)strlen(entries[i].name) != len
+            || !is_store_name(entries[i].name)) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "read: %R is not a store name", name);
+            goto done;
+        }
+    }
+    if (!PyUnicode_FSConverter(directory, &path_bytes))
+        goto done;
+    int rc, saved_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = read_dir(PyBytes_AS_STRING(path_bytes), entries, count);
     if (rc != 0)
         saved_errno = errno;
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         errno = saved_errno;
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, arg);
-        Py_DECREF(path_bytes);
-        return NULL;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, directory);
+        goto done;
     }
-    Py_DECREF(path_bytes);
-    PyObject *result = PyList_New((Py_ssize_t)count);
+    result = PyList_New((Py_ssize_t)count);
     for (size_t i = 0; result != NULL && i < count; i++) {
         Entry *e = &entries[i];
         PyObject *data = e->outcome != OK && e->outcome != SHORT ? Py_NewRef(Py_None)
             : PyBytes_FromStringAndSize(e->data, e->size);
         PyObject *item = data == NULL ? NULL
-            : Py_BuildValue("(siiOKKN)", e->name, e->outcome, e->err, e->alive ? Py_True : Py_False,
-                            e->uid, e->ino, data);
+            : Py_BuildValue("(OiiOKKN)", PyTuple_GET_ITEM(names, (Py_ssize_t)i), e->outcome, e->err,
+                            e->alive ? Py_True : Py_False, e->uid, e->ino, data);
         if (item == NULL) {
             Py_CLEAR(result);
             break;
         }
         PyList_SET_ITEM(result, (Py_ssize_t)i, item);
     }
-    free_entries(entries, count);
+done:
+    if (entries != NULL)
+        free_data(entries, count);
+    Py_XDECREF(path_bytes);
+    Py_DECREF(names);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"scan", scan, METH_O,
-     "scan(directory) -> list of (name, outcome, errno, alive, uid, ino, data), sorted by name; "
-     "see store/scan.py"},
+    {"list", list_stores, METH_O, "list(directory) -> the store names in it, sorted; see store/scan.py"},
+    {"read", read_stores, METH_VARARGS,
+     "read(directory, names) -> list of (name, outcome, errno, alive, uid, ino, data); see store/scan.py"},
     {NULL, NULL, 0, NULL},
 };
 

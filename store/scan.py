@@ -1,20 +1,21 @@
-"""One scrape's directory scan: list the stores, then open, probe and read each.
+"""One scrape's directory scan: list the stores, then open, probe and read them, a batch at a time.
 
-``scan(directory)`` returns one ``Entry`` per file whose name is a store name
+``list_stores(directory)`` returns the names in it that are store names
 (``nixl.<pid>.<run_marker>.<instance>.mmap``, decimal fields; nothing else in
-the directory is ever opened), sorted by name.  Each store is opened without
-following symlinks, blocking or taking a terminal (``O_NONBLOCK | O_NOCTTY``: a
-device node named like a store is opened, but nothing more), must be a regular
-file owned by our effective uid (anything else is never read), gets its
-writer's lock probed (``LOCK_SH|LOCK_NB``: any failure to take it reads as
-alive), then is read.  An unreadable directory raises ``OSError``.  Calls
-interrupted by a signal are made again (PEP 475), on both paths.
+the directory is ever opened), sorted; an unreadable directory raises
+``OSError``.  ``read_stores(directory, names)`` returns one ``Entry`` per name,
+in order: each store is opened without following symlinks, blocking or taking
+a terminal (``O_NONBLOCK | O_NOCTTY``: a device node named like a store is
+opened, but nothing more), must be a regular file owned by our effective uid
+(anything else is never read), gets its writer's lock probed
+(``LOCK_SH|LOCK_NB``: any failure to take it reads as alive), then is read.
+Calls interrupted by a signal are made again (PEP 475), on both paths.
 
 Why a module of its own: every one of those system calls releases the GIL,
 and when another thread of the serving process (a rank recording flat out)
 wants it, each one waits up to a switch interval (5 ms) to get it back.  The
-C speedup ``store._scan`` makes the whole loop one GIL release per scrape;
-this pure-Python twin is used where it is not built or when
+C speedup ``store._scan`` makes the listing, and each batch's reads, one GIL
+release; this pure-Python twin is used where it is not built or when
 NIXL_PROMETHEUS_MP_PURE_PYTHON=1, and gives identical results (the tests
 compare both on the same directory).
 """
@@ -27,7 +28,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, cast
 
 from store import native
 from store.fds import open_above_stdio, stdio_occupied
@@ -88,12 +89,18 @@ def _one(dir_fd: int, name: str, euid: int) -> Entry:
         os.close(fd)
 
 
-def scan_python(directory: str | os.PathLike[str]) -> list[Entry]:
-    """The pure-Python twin of ``store._scan.scan``."""
-    # Listed first, then one directory descriptor for the opens: as in C, the
-    # listing needs one free descriptor and the opens a second.
-    with stdio_occupied():
-        names = sorted(name for name in os.listdir(directory) if is_store_name(name))
+def list_python(directory: str | os.PathLike[str]) -> list[str]:
+    """The pure-Python twin of ``store._scan.list``."""
+    with stdio_occupied():  # (the listing's descriptor, never on 0-2: see store.fds)
+        return sorted(name for name in os.listdir(directory) if is_store_name(name))
+
+
+def read_python(directory: str | os.PathLike[str], names: list[str]) -> list[Entry]:
+    """The pure-Python twin of ``store._scan.read``."""
+    for name in names:
+        if not isinstance(name, str) or len(name) > 255 or not is_store_name(name):
+            raise ValueError(f"read: {name!r} is not a store name")  # only a store name is ever opened
+    # One directory descriptor for the opens: as in C, a process short of descriptors opens no store.
     dir_fd = open_above_stdio(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         euid = os.geteuid()
@@ -102,21 +109,26 @@ def scan_python(directory: str | os.PathLike[str]) -> list[Entry]:
         os.close(dir_fd)
 
 
-def _pick() -> Callable[[str | os.PathLike[str]], list[Entry]]:
+def _pick() -> tuple[Callable[[str | os.PathLike[str]], list[str]],
+                     Callable[[str | os.PathLike[str], list[str]], list[Entry]]]:
     module = native.load("_scan")
     if module is None:
-        return scan_python
-    c_scan = module.scan
+        return list_python, read_python
+    c_list, c_read = module.list, module.read
 
-    def scan_c(directory: str | os.PathLike[str]) -> list[Entry]:
+    def list_c(directory: str | os.PathLike[str]) -> list[str]:
         with stdio_occupied():  # (its opens, in C, never on 0-2: see store.fds)
-            entries = c_scan(directory)
+            return cast(list[str], c_list(directory))
+
+    def read_c(directory: str | os.PathLike[str], names: list[str]) -> list[Entry]:
+        with stdio_occupied():
+            entries = c_read(directory, names)
         return list(map(Entry._make, entries))
 
-    return scan_c
+    return list_c, read_c
 
 
-scan: Final = _pick()
+list_stores, read_stores = _pick()
 
 
 def unreadable(entry: Entry, path: Path) -> Unreadable:

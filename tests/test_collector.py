@@ -8,11 +8,14 @@ import time
 from pathlib import Path
 
 from support import hold_flock, reaper_fixture  # noqa: F401  (pytest fixture)
+from support_forge import store_bytes
 from werkzeug.test import Client
 
+import app.collector
 from app.collector import Collector
 from app.web import MetricsApp
 from store import EventType, StoreWriter
+from store import layout as L
 from store.layout import LAST_UPDATE_FIELD, STORE_SIZE
 
 E = EventType
@@ -193,3 +196,63 @@ def test_unlistable_directory_is_an_empty_collection_with_the_reason(tmp_path: P
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     assert Collector(not_a_dir, 30).collect().scan_error
+
+
+def _forged_store(directory: Path, name_pid: int, content_pid: int, marker: int, last_update: int) -> Path:
+    slots = L.SLOT_COUNT
+    path = directory / L.store_file_name(name_pid, marker, 0)
+    path.write_bytes(store_bytes(content_pid, 0, "agent", "host", "", (1.0, 2.0), [marker] * slots, [0] * slots,
+                                 [0] * (slots * L.BUCKET_SLOTS), [0] * slots, last_update))
+    return path
+
+
+def test_a_scrape_publishes_batch_by_batch_what_one_collection_decides(tmp_dir: Path, monkeypatch) -> None:
+    """A scrape reads, decides and publishes a few stores at a time (never holding every store's bytes); with
+    batches of 3 it publishes the stores, in the order, with the duplicates decided, that a collection of the
+    whole directory does: duplicates (one pid, several run markers) share a batch whatever its size."""
+    now = time.monotonic_ns()
+    for pid in range(100, 112):
+        _forged_store(tmp_dir, pid, pid, 1, now - 10**9)
+    for marker in (2, 3, 4):  # three restarts of pid 105 in a container: the last updated is published
+        _forged_store(tmp_dir, 105, 105, marker, now - 10**9 + marker)
+    whole = Collector(tmp_dir, 3600).collect()
+    monkeypatch.setattr(app.collector, "BATCH_STORES", 3)
+    read, read_stores = [], app.collector.read_stores
+    monkeypatch.setattr(app.collector, "read_stores", lambda d, names: read.append(names) or read_stores(d, names))
+    batches: list[list[str]] = []
+    batched = Collector(tmp_dir, 3600).collect(lambda views: batches.append([v.snapshot.name for v in views]))
+    assert [name for batch in batches for name in batch] == names(whole.published)
+    assert "nixl.105.4.0.mmap" in names(whole.published)
+    assert batched.warnings == whole.warnings and len(whole.warnings) == 3
+    assert [len(names) for names in read] == [3, 6, 3, 3]  # pid 105's four stores were read together
+    assert batched.live == batched.stale == []  # the batches had them
+
+
+def test_a_forged_store_naming_another_pid_never_duplicates_a_published_series(tmp_dir: Path,
+                                                                                monkeypatch) -> None:
+    """Stores that can share a label set share a batch because a writer names its store with its own pid; a
+    store whose bytes name another pid than its file (no writer of ours makes one) may meet its twin in a later
+    batch: it is not published then, whatever its age, so the exposition never has two series with one label
+    set."""
+    now = time.monotonic_ns()
+    for pid in range(100, 106):
+        _forged_store(tmp_dir, pid, pid, 1, now - 10**9)
+    _forged_store(tmp_dir, 200, 101, 1, now)  # nixl.200.* holding pid 101's labels, updated last
+    monkeypatch.setattr(app.collector, "BATCH_STORES", 2)
+    published: list[str] = []
+    result = Collector(tmp_dir, 3600).collect(lambda views: published.extend(v.snapshot.name for v in views))
+    assert published == [f"nixl.{pid}.1.0.mmap" for pid in range(100, 106)]
+    [warning] = result.warnings
+    assert warning["kind"] == "duplicate-labels" and warning["details"] == {
+        "file": str(tmp_dir / "nixl.200.1.0.mmap"), "published": str(tmp_dir / "nixl.101.1.0.mmap"), "alive": False}
+
+
+def test_a_census_lists_every_rank_without_its_values(tmp_dir: Path, make_writer) -> None:
+    live = make_writer(agent_name="live")
+    live.record(EventType.AGENT_TX_BYTES, 4096)
+    gone = departed(make_writer, agent_name="gone", instance=1)
+    census = Collector(tmp_dir, 3600).census()
+    assert [v.snapshot.name for v in census.live] == [live.path.name]
+    assert [v.snapshot.name for v in census.stale] == [gone.name]
+    assert [v.snapshot.agent_name for v in census.live + census.stale] == ["live", "gone"]
+    assert all(len(v.snapshot.words) == 0 for v in census.live + census.stale)

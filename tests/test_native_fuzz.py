@@ -96,7 +96,6 @@ def _malformed_render(rng: random.Random) -> None:
     families = rng.randint(0, 3)
     plan = tuple((rng.choice([0, 1, 1, 2]), tuple(rng.randint(-1, L.STORE_WORDS) for _ in range(rng.choice([1, 2, 3]))))
                  for _ in range(families))
-    headers = tuple(rng.randbytes(rng.randint(0, 8)) for _ in range(families + (rng.random() < 0.1)))
     stores = rng.randint(0, 4)
     words = [array("Q", rng.randbytes(8 * rng.choice([0, 3, L.STORE_WORDS, L.STORE_WORDS]))) for _ in range(stores)]
     buckets = [rng.choice([-1, 0, 1, 5, 33, 62, 63]) for _ in range(stores)]
@@ -104,10 +103,11 @@ def _malformed_render(rng: random.Random) -> None:
     smalls = [tuple(b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 40))) for _ in range(families))
               for _ in range(stores)]
     try:
-        out = c_render(headers, plan, words, buckets, smalls, rng.randbytes(rng.randint(0, 4)))
+        out = c_render(plan, words, buckets, smalls)
     except (ValueError, TypeError, OverflowError):
         return
-    assert out is None or isinstance(out, bytes)
+    assert out is None or (isinstance(out, tuple) and len(out) == families
+                           and all(isinstance(lines, bytes) for lines in out))
 
 
 def _scan_under_churn(rng: random.Random, directory: Path, templates: list[bytes]) -> None:
@@ -149,7 +149,7 @@ def _render_while_the_lists_are_emptied(rng: random.Random) -> None:
     words_of = [s.words for s in snaps]
     buckets_of = [len(s.bounds) + 1 for s in snaps]
     smalls_of = [X._RankLines(s).small for s in snaps]
-    expected = c_render(X._TEXT_HEADERS, X._PLAN, list(words_of), list(buckets_of), list(smalls_of), b"")
+    expected = c_render(X._PLAN, list(words_of), list(buckets_of), list(smalls_of))
     go = threading.Event()
 
     def empty() -> None:
@@ -161,7 +161,7 @@ def _render_while_the_lists_are_emptied(rng: random.Random) -> None:
     thread.start()
     go.set()
     try:
-        out = c_render(X._TEXT_HEADERS, X._PLAN, words_of, buckets_of, smalls_of, b"")
+        out = c_render(X._PLAN, words_of, buckets_of, smalls_of)
     except ValueError:  # emptied before render() took its copies
         out = expected
     finally:

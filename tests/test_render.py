@@ -72,8 +72,8 @@ def test_every_u64_is_spelt_as_prometheus_cpp_spells_its_double() -> None:
     for value in values:
         words = array("Q", bytes(L.STORE_SIZE))
         words[0] = value
-        out = c_render((b"",), ((0, (0,)),), [words], [1], [(b"v %d\n",)], b"")
-        assert out == f"v {cpp_u64_as_double(value)}\n".encode(), value
+        out = c_render(((0, (0,)),), [words], [1], [(b"v %d\n",)])
+        assert out == (f"v {cpp_u64_as_double(value)}\n".encode(),), value
 
 
 def test_a_cumulative_count_past_2_64_is_left_to_the_python_loop(monkeypatch) -> None:
@@ -81,7 +81,7 @@ def test_a_cumulative_count_past_2_64_is_left_to_the_python_loop(monkeypatch) ->
     snaps = [forged(rng, i, bucket_max=2**64 - 1) for i in range(1, 4)]
     words_of = [s.words for s in snaps]
     smalls = [X._RankLines(s).small for s in snaps]
-    assert c_render(X._TEXT_HEADERS, X._PLAN, words_of, [len(s.bounds) + 1 for s in snaps], smalls, b"") is None
+    assert c_render(X._PLAN, words_of, [len(s.bounds) + 1 for s in snaps], smalls) is None
     rendered = render_with(c_module, snaps, False, monkeypatch)
     assert rendered == render_with(None, snaps, False, monkeypatch)
     assert any(int(line.rsplit(b" ", 1)[1]) >= 2**64 for line in rendered.splitlines() if b"_bucket{" in line)
@@ -90,19 +90,19 @@ def test_a_cumulative_count_past_2_64_is_left_to_the_python_loop(monkeypatch) ->
 def test_malformed_arguments_raise_instead_of_reading_past_a_store() -> None:
     words = array("Q", bytes(L.STORE_SIZE))
     with pytest.raises(ValueError):
-        c_render((b"",), ((1, (L.STORE_WORDS - 2, 0)),), [words], [4], [(b"%d %d %d %d %d %d\n",)], b"")
+        c_render(((1, (L.STORE_WORDS - 2, 0)),), [words], [4], [(b"%d %d %d %d %d %d\n",)])
     with pytest.raises(ValueError):
-        c_render((b"",), ((0, (L.STORE_WORDS,)),), [words], [1], [(b"%d\n",)], b"")
+        c_render(((0, (L.STORE_WORDS,)),), [words], [1], [(b"%d\n",)])
     with pytest.raises(ValueError):
-        c_render((b"",), ((0, (0,)),), [array("Q", [1, 2])], [1], [(b"%d\n",)], b"")
+        c_render(((0, (0,)),), [array("Q", [1, 2])], [1], [(b"%d\n",)])
     # A template with more placeholders than values is a bug: the loop (which raises) is left to say so.
-    assert c_render((b"",), ((0, (0,)),), [words], [1], [(b"%d %d\n",)], b"") is None
+    assert c_render(((0, (0,)),), [words], [1], [(b"%d %d\n",)]) is None
 
 
 def test_words_that_are_not_8_byte_aligned_are_refused() -> None:
     misaligned = memoryview(bytearray(L.STORE_SIZE + 8))[1:L.STORE_SIZE + 1]
     with pytest.raises(ValueError, match="a malformed store"):
-        c_render((b"",), ((0, (0,)),), [misaligned], [1], [(b"%d\n",)], b"")
+        c_render(((0, (0,)),), [misaligned], [1], [(b"%d\n",)])
 
 
 # Another thread drops the templates (the only references to them) while render() fills them without the
@@ -130,10 +130,10 @@ _DROPPED_TEMPLATES = textwrap.dedent("""
         thread = threading.Thread(target=drop, args=(templates,))
         thread.start()
         go.set()
-        body = _render.render((b"# h\\n",), ((0, (0,)),), words, [1] * STORES, templates, b"")
+        body = _render.render(((0, (0,)),), words, [1] * STORES, templates)
         thread.join()
         go.clear()
-        assert body == b"# h\\n" + b"".join(b"x" * SIZE + b" %d\\n" % i for i in range(STORES))
+        assert body == (b"".join(b"x" * SIZE + b" %d\\n" % i for i in range(STORES)),)
     print("filled")
 """)
 
@@ -143,3 +143,46 @@ def test_templates_dropped_by_another_thread_during_the_fill_are_not_freed_under
     done = subprocess.run([sys.executable, "-c", _DROPPED_TEMPLATES], cwd=PROJECT_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout.strip()) == (0, "filled"), done.stderr
+
+
+@pytest.mark.parametrize("native", [c_module, None], ids=["c", "python"])
+@pytest.mark.parametrize("openmetrics", [False, True])
+@pytest.mark.parametrize("piece_bytes", [1, 3000, X.Exposition.PIECE_BYTES])
+def test_a_body_rendered_batch_by_batch_is_the_body_rendered_at_once(native: object, openmetrics: bool,
+                                                                     piece_bytes: int, monkeypatch) -> None:
+    """A scrape renders its stores a batch at a time, each batch into one piece per family (joined as they add
+    up to ``piece_bytes``); joined, the pieces are the exposition of all the stores at once, whatever the cuts (a
+    batch of one, of all, empty ones)."""
+    rng = random.Random(21)
+    snaps = [forged(rng, i) for i in range(30)]
+    tail = b'nixl_prometheus_mp_ranks{state="live"} 30\n'
+    monkeypatch.setattr(X, "_native", native)
+    monkeypatch.setattr(X.Exposition, "PIECE_BYTES", piece_bytes)
+    whole = X.Renderer().render(snaps, openmetrics, tail)
+    assert whole.endswith(tail + (b"# EOF\n" if openmetrics else b""))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(snaps) + 1), rng.randint(0, 8)))
+        body = X.Renderer().exposition(openmetrics)
+        for start, end in zip([0, *cuts], [*cuts, len(snaps)], strict=True):
+            body.add(snaps[start:end])
+        pieces = body.finish(tail)
+        assert all(isinstance(piece, bytes) for piece in pieces)
+        assert b"".join(pieces) == whole, cuts
+
+
+def test_a_body_without_stores_is_the_tail_alone() -> None:
+    """No store, no family header (as prometheus_client writes an empty registry)."""
+    assert X.Renderer().exposition(False).finish(b"tail\n") == (b"tail\n",)
+    assert X.Renderer().exposition(True).finish(b"tail\n") == (b"tail\n", b"# EOF\n")
+
+
+def test_the_template_cache_keeps_what_the_last_scrape_saw_and_at_most_its_cap(monkeypatch) -> None:
+    rng = random.Random(8)
+    snaps = [forged(rng, i) for i in range(12)]
+    renderer = X.Renderer()
+    monkeypatch.setattr(renderer, "CACHE_MAX", 8)
+    expected = renderer.render(snaps)
+    assert len(renderer._cache) == 8  # the stores beyond the cap get templates made for the scrape alone
+    assert renderer.render(snaps) == expected  # cached or not, the same lines
+    renderer.render(snaps[:3])  # the others departed and were reaped: forgotten
+    assert set(renderer._cache) == {snap.identity_key for snap in snaps[:3]}

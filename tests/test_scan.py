@@ -31,14 +31,33 @@ from store import EventType, StoreWriter
 from store import scan as S
 from store.layout import STORE_SIZE
 
-c_scan = c_speedup("_scan").scan
+_c = c_speedup("_scan")
+
+
+def c_scan(directory: Path) -> list[tuple[object, ...]]:
+    """The C listing and reads of every store, as the C module returns them."""
+    return _c.read(directory, _c.list(directory))
+
+
+def python_scan(directory: Path) -> list[S.Entry]:
+    return S.read_python(directory, S.list_python(directory))
+
+
+def use_scan(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make the collector list and read with the C module ("c") or its twin ("python")."""
+    if path == "c":
+        monkeypatch.setattr(app.collector, "list_stores", _c.list)
+        monkeypatch.setattr(app.collector, "read_stores", lambda d, names: list(map(S.Entry._make, _c.read(d, names))))
+    else:
+        monkeypatch.setattr(app.collector, "list_stores", S.list_python)
+        monkeypatch.setattr(app.collector, "read_stores", S.read_python)
 FOREIGN_UID = 12345
 
 
 def both(directory: Path) -> list[tuple[object, ...]]:
     """Scan with C and with the twin; they must agree; the (shared) result."""
     from_c = [tuple(S.Entry._make(e)) for e in c_scan(directory)]
-    from_python = [tuple(e) for e in S.scan_python(directory)]
+    from_python = [tuple(e) for e in python_scan(directory)]
     assert from_c == from_python
     return from_c
 
@@ -100,7 +119,7 @@ def test_a_directory_that_cannot_be_listed_raises_the_same_error(tmp_dir: Path, 
     if what == "a file":
         target.write_bytes(b"")
     errors = []
-    for scan in (c_scan, S.scan_python):
+    for scan in (c_scan, python_scan):
         with pytest.raises(OSError) as info:
             scan(target)
         errors.append((info.value.errno, os.fspath(info.value.filename)))
@@ -127,7 +146,7 @@ def test_stores_vanishing_during_scans_are_missing_never_an_error(tmp_dir: Path,
     outcomes: set[int] = set()
     try:
         for _ in range(300):
-            for scan in (c_scan, S.scan_python):
+            for scan in (c_scan, python_scan):
                 entries = [S.Entry._make(e) for e in scan(tmp_dir)]
                 assert keep.path.name in {e.name for e in entries}
                 outcomes |= {e.outcome for e in entries}
@@ -146,11 +165,11 @@ def collection_facts(result: Collection, directory: Path) -> str:
 
 def test_the_collector_publishes_and_reaps_the_same_on_both_paths(tmp_dir: Path, make_writer, monkeypatch) -> None:
     results = []
-    for tag, scan in (("c", lambda d: list(map(S.Entry._make, c_scan(d)))), ("python", S.scan_python)):
+    for tag in ("c", "python"):
         directory = tmp_dir / tag
         directory.mkdir()
         hostile_directory(directory, make_writer)
-        monkeypatch.setattr(app.collector, "scan", scan)
+        use_scan(monkeypatch, tag)
         collector = Collector(directory, stale_ttl_s=3600)
         first = collector.collect()  # reaps the short files nobody holds
         second = collector.collect()
@@ -165,8 +184,8 @@ def test_the_collector_publishes_and_reaps_the_same_on_both_paths(tmp_dir: Path,
 
 
 def test_both_paths_reap_only_what_the_scan_judged(tmp_dir: Path, make_writer, monkeypatch) -> None:
-    for scan in (lambda d: list(map(S.Entry._make, c_scan(d))), S.scan_python):
-        monkeypatch.setattr(app.collector, "scan", scan)
+    for path in ("c", "python"):
+        use_scan(monkeypatch, path)
         gone = make_writer(agent_name="gone")
         gone.close()
         live = make_writer(agent_name="live", instance=1)
@@ -181,7 +200,7 @@ def test_both_paths_reap_only_what_the_scan_judged(tmp_dir: Path, make_writer, m
 def test_the_c_speedups_are_used_unless_the_python_path_is_forced(forced: str, python_path: bool) -> None:
     """NIXL_PROMETHEUS_MP_PURE_PYTHON takes the same yes/no words as every other flag ("false" used to force it)."""
     code = ("import store.scan as s, app.exposition as x; "
-            "print(s.scan is s.scan_python, x._native is None)")
+            "print(s.read_stores is s.read_python, x._native is None)")
     env = {**os.environ, "NIXL_PROMETHEUS_MP_PURE_PYTHON": forced}
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env=env, capture_output=True,
                           text=True, timeout=60, check=True)
@@ -211,8 +230,8 @@ _INTERRUPTED_SCANS = textwrap.dedent("""
 
     shim = ctypes.CDLL(sys.argv[2])  # the preloaded copy
     runs = {}
-    for name, scan in (("c", lambda d: [list(S.Entry._make(e)) for e in _scan.scan(d)]),
-                       ("python", lambda d: [list(e) for e in S.scan_python(d)])):
+    for name, scan in (("c", lambda d: [list(S.Entry._make(e)) for e in _scan.read(d, _scan.list(d))]),
+                       ("python", lambda d: [list(e) for e in S.read_python(d, S.list_python(d))])):
         shim.shim_arm(1)
         entries = scan(sys.argv[1])
         shim.shim_arm(0)
@@ -258,7 +277,8 @@ _PEAK_GROWTH = textwrap.dedent("""
     from store import scan as S, _scan
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    entries = _scan.scan(sys.argv[1]) if sys.argv[2] == "c" else S.scan_python(sys.argv[1])
+    entries = (_scan.read(sys.argv[1], _scan.list(sys.argv[1])) if sys.argv[2] == "c"
+               else S.read_python(sys.argv[1], S.list_python(sys.argv[1])))
     print(len(entries), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """)
 

@@ -61,6 +61,7 @@ from app.health import (
     replaced_warning,
 )
 from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch
+from app.malloc import give_large_frees_back
 from app.probe import SERVER_COMM, SPARE_COMM, is_address_server, process_state
 from app.server import serve_in_thread
 from app.threads import new_thread, set_os_name
@@ -102,6 +103,7 @@ def main(state_json: str) -> None:
         # KeyboardInterrupt, nor SIGQUIT's core dump); a host's SIG_IGN, which exec keeps, is undone.
         signal.signal(signum, lambda signum, frame: os._exit(0))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a host may have ignored it: exec keeps SIG_IGN
+    give_large_frees_back()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)  # (stdin was the bootstrap)
     os.close(null)
@@ -283,7 +285,7 @@ class _Server:
             if self._drain_until is not None and now >= self._drain_until:
                 return "told to stop (SIGTERM), once the departed ranks' final values were published"
             if now >= check_at:
-                collection = self.collector.collect()
+                collection = self.collector.census()
                 left_s = None if collection.scan_error is not None else next_check_s(collection, self.args.stale_ttl_s)
                 # A lock file at our path that is not ours does not make us leave: a rank of a new run elected on
                 # it asks for the port (SIGUSR1, below) once its store is there to publish; another process may
@@ -335,7 +337,7 @@ class _Server:
                 if signal.SIGTERM in signals:
                     if self._drain_until is not None:
                         return "a second SIGTERM"
-                    left_s = drain_s(self.collector.collect(), self.args.drain_max_s)
+                    left_s = drain_s(self.collector.census(), self.args.drain_max_s)
                     if left_s is None:
                         return "SIGTERM"
                     self._drain_until, self._drain_until_wall = now + left_s, time.time() + left_s
@@ -343,7 +345,7 @@ class _Server:
                              "(until their TTL, at most %s=%g s), then exits; a second SIGTERM ends it at once",
                              self.args.directory, self.args.address, left_s, DRAIN_ENV, self.args.drain_max_s)
                 if signal.SIGUSR1 in signals:
-                    collection = self.collector.collect()
+                    collection = self.collector.census()
                     if self._replaced():
                         return "the directory was removed and recreated, and a rank of the new one asks for the port"
                     if collection.scan_error is None and not collection.live:

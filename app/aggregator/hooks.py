@@ -89,7 +89,7 @@ def hold_election(config: Config, wait: Callable[[float], bool]) -> Outcome | No
 def drain_time(config: Config) -> float | None:
     """SIGTERM means finish, then go: how long to go on publishing the departed ranks' final values (None: go at
     once), said in the log and, through ``master.draining_until``, in /healthz."""
-    left_s = drain_s(Collector(config.directory, config.stale_ttl_s).collect(), config.drain_max_s)
+    left_s = drain_s(Collector(config.directory, config.stale_ttl_s).census(), config.drain_max_s)
     if left_s is not None:
         master.draining_until = time.time() + left_s
         log.info("SIGTERM: no rank of %s is live; the aggregator goes on publishing their final values for %.1f s "

@@ -14,6 +14,7 @@ from app.aggregator.hooks import master
 from app.collector import Collector
 from app.config import Config, ConfigError
 from app.health import OwnerWatch, draining_warning, health_warnings, owner_doc
+from app.malloc import give_large_frees_back
 from app.web import MetricsApp
 from election import OwnerElection
 
@@ -51,6 +52,7 @@ def _warnings(config: Config, owners: OwnerWatch) -> list[dict[str, Any]]:
 
 def build_app(config: Config, serving: str = "gunicorn") -> MetricsApp:
     """The aggregator's app; ``serving``: the server it runs on, as /healthz says ("gunicorn", "werkzeug")."""
+    give_large_frees_back()  # (a gunicorn worker, or ``serve``: a process of ours)
     owners = OwnerWatch(config.directory, config.address)
     return MetricsApp(Collector(config.directory, config.stale_ttl_s), lambda: _owner_info(config, serving),
                       lambda: _warnings(config, owners), on_scrape=owners.poll,
