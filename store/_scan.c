@@ -147,12 +147,16 @@ static void free_names(char **names, size_t count) {
     free(names);
 }
 
+static int open_dir(const char *directory) {
+    int dir_fd;
+    RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    return above_stdio(dir_fd);
+}
+
 /* The store names in the directory, sorted; on failure -1 with errno set
  * (nothing allocated).  Runs without the GIL: no Python API in here. */
 static int list_dir(const char *directory, char ***out, size_t *out_count) {
-    int dir_fd;
-    RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    dir_fd = above_stdio(dir_fd);
+    int dir_fd = open_dir(directory);
     if (dir_fd < 0)
         return -1;
     DIR *dir = fdopendir(dir_fd);
@@ -206,9 +210,7 @@ static int list_dir(const char *directory, char ***out, size_t *out_count) {
  * so a process short of descriptors fails as the twin does: no store opened
  * without a second free descriptor. */
 static int read_dir(const char *directory, Entry *entries, size_t count) {
-    int dir_fd;
-    RETRY(dir_fd, open(directory, O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-    dir_fd = above_stdio(dir_fd);
+    int dir_fd = open_dir(directory);
     if (dir_fd < 0)
         return -1;
     char *scratch = malloc(STORE_SIZE);
