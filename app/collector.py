@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -51,7 +51,7 @@ from store.reader import (
     open_store,
     warn_foreign,
 )
-from store.scan import Entry, list_stores, read_stores, unreadable
+from store.scan import Entry, batch_end, read_stores, scan, unreadable
 from store.warnonce import OnceWarner
 
 log = logging.getLogger("nixl_prometheus_mp.collector")
@@ -127,7 +127,7 @@ class _Dedupe:
     and are listed in /healthz as "duplicate-labels" warnings meanwhile.
 
     A scrape publishes its stores a batch at a time, and a batch never splits
-    the stores of one pid (``_batches``): a writer names its store with its
+    the stores of one pid (``store.scan.batch_end``): a writer names its store with its
     own pid, so every store that can share a label set is in the batch that
     decides between them.  A store whose bytes name another pid than its file
     name (no writer of ours makes one) can only lose to a store already
@@ -178,20 +178,6 @@ class _Dedupe:
 
 
 BATCH_STORES = 256  # stores read, decided and published at a time: what a scrape holds of their bytes
-
-
-def _batches(names: list[str]) -> Iterator[list[str]]:
-    """``names`` (sorted) in runs of about BATCH_STORES, never splitting the stores of one pid: every name
-    ``nixl.<pid>.…`` of one pid sorts together, since the "." after the pid sorts before any digit."""
-    start = 0
-    while start < len(names):
-        end = min(start + BATCH_STORES, len(names))
-        last = names[end - 1]
-        prefix = last[:last.index(".", 5) + 1]  # "nixl.<pid>."
-        while end < len(names) and names[end].startswith(prefix):
-            end += 1
-        yield names[start:end]
-        start = end
 
 
 _NO_VALUES = array("Q")
@@ -252,20 +238,17 @@ class Collector:
         """
         result = Collection()
         try:
-            names = list_stores(self.directory)
+            # The listing and the first batch in one call: with the C scanner, one GIL release for a directory of
+            # one batch, and one per batch after, so a busy thread in this process cannot make each store's system
+            # calls wait for it.
+            names, entries = scan(self.directory, BATCH_STORES)
         except OSError as exc:
             self.scan_failed(exc, result)
             return result
         dedupe = _Dedupe(self.directory, result.warnings)
         skipped: list[Unreadable] = []
-        for batch in _batches(names):
-            # One call opens, probes and reads a batch: with the C scanner that is one GIL release per batch,
-            # so a busy thread in this process cannot make each store's system calls wait for it.
-            try:
-                entries = read_stores(self.directory, batch)
-            except OSError as exc:
-                self.scan_failed(exc, result)
-                return result
+        start = 0
+        while True:
             # Read *after* every store's bytes were: see place().
             now = time.monotonic_ns()
             views: list[RankView] = []
@@ -278,6 +261,14 @@ class Collector:
             else:
                 for view in dedupe(views):
                     (result.live if view.alive else result.stale).append(view)
+            start += len(entries)
+            if start >= len(names):
+                break
+            try:
+                entries = read_stores(self.directory, names[start:batch_end(names, start, BATCH_STORES)])
+            except OSError as exc:
+                self.scan_failed(exc, result)
+                return result
         if skipped:
             _transient_log.warn(f"this scrape skipped {len(skipped)} store(s) ({skipped[0].path.name}: "
                                 f"{skipped[0].reason})")

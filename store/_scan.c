@@ -4,10 +4,10 @@
  * pread, close) each release the GIL.  When a thread of the serving process
  * is busy in Python, every one of them then waits up to a switch interval
  * (5 ms) to take the GIL back, so a scrape of N stores costs N x 6 x 5 ms.
- * list() does the directory's listing, and read() every call of a batch of
- * stores, each in one Py_BEGIN_ALLOW_THREADS block, into C buffers, and only
- * then builds the Python objects: O(1) GIL hand-offs per batch, whatever the
- * file count.  (A scrape reads its stores a batch at a time so that it never
+ * scan() lists the directory and reads its first batch of stores, read() each
+ * later batch, each call in one Py_BEGIN_ALLOW_THREADS block, into C buffers,
+ * and only then builds the Python objects: O(1) GIL hand-offs per batch,
+ * whatever the file count, and one for a directory of one batch.  (A scrape reads its stores a batch at a time so that it never
  * holds every store's bytes at once: app/collector.py.)
  *
  * store/scan.py is the pure-Python twin and documents the result; the tests
@@ -227,39 +227,18 @@ static int read_dir(const char *directory, Entry *entries, size_t count) {
     return 0;
 }
 
-static PyObject *list_stores(PyObject *module, PyObject *arg) {
-    PyObject *path_bytes = NULL;
-    if (!PyUnicode_FSConverter(arg, &path_bytes))
-        return NULL;
-    char **names = NULL;
-    size_t count = 0;
-    int rc, saved_errno = 0;
-    Py_BEGIN_ALLOW_THREADS
-    rc = list_dir(PyBytes_AS_STRING(path_bytes), &names, &count);
-    if (rc != 0)
-        saved_errno = errno;
-    Py_END_ALLOW_THREADS
-    Py_DECREF(path_bytes);
-    if (rc != 0) {
-        errno = saved_errno;
-        return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, arg);
-    }
-    PyObject *result = PyList_New((Py_ssize_t)count);
-    for (size_t i = 0; result != NULL && i < count; i++) {
-        PyObject *name = PyUnicode_DecodeFSDefault(names[i]);
-        if (name == NULL)
-            Py_CLEAR(result);
-        else
-            PyList_SET_ITEM(result, (Py_ssize_t)i, name);
-    }
-    free_names(names, count);
-    return result;
-}
-
 static void free_data(Entry *entries, size_t count) {
     for (size_t i = 0; i < count; i++)
         free(entries[i].data);
     free(entries);
+}
+
+/* One Entry as the twin's tuple: (name, outcome, errno, alive, uid, ino, data). */
+static PyObject *entry_tuple(const Entry *e, PyObject *name) {
+    PyObject *data = e->outcome != OK && e->outcome != SHORT ? Py_NewRef(Py_None)
+        : PyBytes_FromStringAndSize(e->data, e->size);
+    return data == NULL ? NULL : Py_BuildValue("(OiiOKKN)", name, e->outcome, e->err, e->alive ? Py_True : Py_False,
+                                               e->uid, e->ino, data);
 }
 
 static PyObject *read_stores(PyObject *module, PyObject *args) {
@@ -303,12 +282,7 @@ static PyObject *read_stores(PyObject *module, PyObject *args) {
     }
     result = PyList_New((Py_ssize_t)count);
     for (size_t i = 0; result != NULL && i < count; i++) {
-        Entry *e = &entries[i];
-        PyObject *data = e->outcome != OK && e->outcome != SHORT ? Py_NewRef(Py_None)
-            : PyBytes_FromStringAndSize(e->data, e->size);
-        PyObject *item = data == NULL ? NULL
-            : Py_BuildValue("(OiiOKKN)", PyTuple_GET_ITEM(names, (Py_ssize_t)i), e->outcome, e->err,
-                            e->alive ? Py_True : Py_False, e->uid, e->ino, data);
+        PyObject *item = entry_tuple(&entries[i], PyTuple_GET_ITEM(names, (Py_ssize_t)i));
         if (item == NULL) {
             Py_CLEAR(result);
             break;
@@ -323,8 +297,77 @@ done:
     return result;
 }
 
+/* Whether two store names are of one pid ("nixl.<pid>." alike): a batch never
+ * separates them (store/scan.py's batch_end). */
+static int same_pid(const char *a, const char *b) {
+    const char *dot = strchr(a + 5, '.');  /* a store name: "nixl." digits "." ... */
+    return dot != NULL && strncmp(a, b, (size_t)(dot - a) + 1) == 0;
+}
+
+static PyObject *scan(PyObject *module, PyObject *args) {
+    PyObject *directory, *path_bytes = NULL, *result = NULL;
+    Py_ssize_t first;
+    if (!PyArg_ParseTuple(args, "On:scan", &directory, &first))
+        return NULL;
+    if (!PyUnicode_FSConverter(directory, &path_bytes))
+        return NULL;
+    char **names = NULL;
+    size_t count = 0, batch = 0;
+    Entry *entries = NULL;
+    int rc, saved_errno = 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = list_dir(PyBytes_AS_STRING(path_bytes), &names, &count);
+    if (rc == 0) {
+        batch = first < 0 ? 0 : (size_t)first < count ? (size_t)first : count;
+        while (batch > 0 && batch < count && same_pid(names[batch - 1], names[batch]))
+            batch++;
+        if ((entries = calloc(batch + 1, sizeof(Entry))) == NULL) {
+            rc = -1;
+            errno = ENOMEM;
+        } else if (batch > 0) {
+            for (size_t i = 0; i < batch; i++)
+                entries[i].name = names[i];
+            rc = read_dir(PyBytes_AS_STRING(path_bytes), entries, batch);
+        }
+    }
+    if (rc != 0)
+        saved_errno = errno;
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        errno = saved_errno;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, directory);
+        goto done;
+    }
+    PyObject *listed = PyList_New((Py_ssize_t)count), *first_read = listed ? PyList_New((Py_ssize_t)batch) : NULL;
+    result = first_read ? PyTuple_Pack(2, listed, first_read) : NULL;
+    Py_XDECREF(listed);
+    Py_XDECREF(first_read);
+    for (size_t i = 0; result != NULL && i < count; i++) {
+        PyObject *name = PyUnicode_DecodeFSDefault(names[i]);
+        if (name == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(listed, (Py_ssize_t)i, name);
+    }
+    for (size_t i = 0; result != NULL && i < batch; i++) {
+        PyObject *item = entry_tuple(&entries[i], PyList_GET_ITEM(listed, (Py_ssize_t)i));
+        if (item == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(first_read, (Py_ssize_t)i, item);
+    }
+done:
+    if (entries != NULL)
+        free_data(entries, batch);
+    if (names != NULL)
+        free_names(names, count);
+    Py_DECREF(path_bytes);
+    return result;
+}
+
 static PyMethodDef methods[] = {
-    {"list", list_stores, METH_O, "list(directory) -> the store names in it, sorted; see store/scan.py"},
+    {"scan", scan, METH_VARARGS,
+     "scan(directory, first) -> (the store names in it, sorted; the first batch of them read); see store/scan.py"},
     {"read", read_stores, METH_VARARGS,
      "read(directory, names) -> list of (name, outcome, errno, alive, uid, ino, data); see store/scan.py"},
     {NULL, NULL, 0, NULL},

@@ -1,10 +1,11 @@
 """One scrape's directory scan: list the stores, then open, probe and read them, a batch at a time.
 
-``list_stores(directory)`` returns the names in it that are store names
+``scan(directory, first)`` returns the names in it that are store names
 (``nixl.<pid>.<run_marker>.<instance>.mmap``, decimal fields; nothing else in
-the directory is ever opened), sorted; an unreadable directory raises
-``OSError``.  ``read_stores(directory, names)`` returns one ``Entry`` per name,
-in order: each store is opened without following symlinks, blocking or taking
+the directory is ever opened), sorted, and the first batch of about ``first``
+of them read (``batch_end``); an unreadable directory raises ``OSError``.
+``read_stores(directory, names)`` reads a later batch.  Each read is one
+``Entry`` per name, in order: each store is opened without following symlinks, blocking or taking
 a terminal (``O_NONBLOCK | O_NOCTTY``: a device node named like a store is
 opened, but nothing more), must be a regular file owned by our effective uid
 (anything else is never read), gets its writer's lock probed
@@ -14,8 +15,8 @@ Calls interrupted by a signal are made again (PEP 475), on both paths.
 Why a module of its own: every one of those system calls releases the GIL,
 and when another thread of the serving process (a rank recording flat out)
 wants it, each one waits up to a switch interval (5 ms) to get it back.  The
-C speedup ``store._scan`` makes the listing, and each batch's reads, one GIL
-release; this pure-Python twin is used where it is not built or when
+C speedup ``store._scan`` makes the listing with the first batch's reads, and
+each later batch's, one GIL release; this pure-Python twin is used where it is not built or when
 NIXL_PROMETHEUS_MP_PURE_PYTHON=1, and gives identical results (the tests
 compare both on the same directory).
 """
@@ -28,7 +29,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, NamedTuple, cast
+from typing import Final, NamedTuple
 
 from store import native
 from store.fds import open_above_stdio, stdio_occupied
@@ -89,8 +90,21 @@ def _one(dir_fd: int, name: str, euid: int) -> Entry:
         os.close(fd)
 
 
+def batch_end(names: list[str], start: int, size: int) -> int:
+    """Where the batch of about ``size`` of ``names`` (sorted) from ``start`` ends: never between two stores of
+    one pid, which a scrape must decide between in one batch (app.collector).  Every ``nixl.<pid>.`` name of one
+    pid sorts together, since the "." after the pid sorts before any digit."""
+    end = min(start + max(size, 0), len(names))
+    if end > start:
+        last = names[end - 1]
+        prefix = last[:last.index(".", 5) + 1]
+        while end < len(names) and names[end].startswith(prefix):
+            end += 1
+    return end
+
+
 def list_python(directory: str | os.PathLike[str]) -> list[str]:
-    """The pure-Python twin of ``store._scan.list``."""
+    """The directory's store names, sorted."""
     with stdio_occupied():  # (the listing's descriptor, never on 0-2: see store.fds)
         return sorted(name for name in os.listdir(directory) if is_store_name(name))
 
@@ -109,26 +123,36 @@ def read_python(directory: str | os.PathLike[str], names: list[str]) -> list[Ent
         os.close(dir_fd)
 
 
-def _pick() -> tuple[Callable[[str | os.PathLike[str]], list[str]],
+def scan_python(directory: str | os.PathLike[str], first: int) -> tuple[list[str], list[Entry]]:
+    """The pure-Python twin of ``store._scan.scan``."""
+    names = list_python(directory)
+    end = batch_end(names, 0, first)
+    return names, read_python(directory, names[:end]) if end else []
+
+
+def _pick() -> tuple[Callable[[str | os.PathLike[str], int], tuple[list[str], list[Entry]]],
                      Callable[[str | os.PathLike[str], list[str]], list[Entry]]]:
     module = native.load("_scan")
     if module is None:
-        return list_python, read_python
-    c_list, c_read = module.list, module.read
+        return scan_python, read_python
+    c_scan, c_read = module.scan, module.read
 
-    def list_c(directory: str | os.PathLike[str]) -> list[str]:
+    def scan_c(directory: str | os.PathLike[str], first: int) -> tuple[list[str], list[Entry]]:
         with stdio_occupied():  # (its opens, in C, never on 0-2: see store.fds)
-            return cast(list[str], c_list(directory))
+            names, entries = c_scan(directory, first)
+        return names, list(map(Entry._make, entries))
 
     def read_c(directory: str | os.PathLike[str], names: list[str]) -> list[Entry]:
         with stdio_occupied():
             entries = c_read(directory, names)
         return list(map(Entry._make, entries))
 
-    return list_c, read_c
+    return scan_c, read_c
 
 
-list_stores, read_stores = _pick()
+# scan(directory, first): the store names (sorted) and the first batch of about ``first`` of them read, in one
+# call (a directory of one batch: one GIL release); read_stores(directory, names): a later batch.
+scan, read_stores = _pick()
 
 
 def unreadable(entry: Entry, path: Path) -> Unreadable:

@@ -32,25 +32,29 @@ from store import scan as S
 from store.layout import STORE_SIZE
 
 _c = c_speedup("_scan")
+EVERY = sys.maxsize  # a first batch of every store
 
 
 def c_scan(directory: Path) -> list[tuple[object, ...]]:
     """The C listing and reads of every store, as the C module returns them."""
-    return _c.read(directory, _c.list(directory))
+    return _c.scan(directory, EVERY)[1]
 
 
 def python_scan(directory: Path) -> list[S.Entry]:
-    return S.read_python(directory, S.list_python(directory))
+    return S.scan_python(directory, EVERY)[1]
 
 
 def use_scan(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Make the collector list and read with the C module ("c") or its twin ("python")."""
     if path == "c":
-        monkeypatch.setattr(app.collector, "list_stores", _c.list)
+        monkeypatch.setattr(app.collector, "scan", lambda d, first: (
+            (result := _c.scan(d, first))[0], list(map(S.Entry._make, result[1]))))
         monkeypatch.setattr(app.collector, "read_stores", lambda d, names: list(map(S.Entry._make, _c.read(d, names))))
     else:
-        monkeypatch.setattr(app.collector, "list_stores", S.list_python)
+        monkeypatch.setattr(app.collector, "scan", S.scan_python)
         monkeypatch.setattr(app.collector, "read_stores", S.read_python)
+
+
 FOREIGN_UID = 12345
 
 
@@ -230,8 +234,8 @@ _INTERRUPTED_SCANS = textwrap.dedent("""
 
     shim = ctypes.CDLL(sys.argv[2])  # the preloaded copy
     runs = {}
-    for name, scan in (("c", lambda d: [list(S.Entry._make(e)) for e in _scan.read(d, _scan.list(d))]),
-                       ("python", lambda d: [list(e) for e in S.read_python(d, S.list_python(d))])):
+    for name, scan in (("c", lambda d: [list(S.Entry._make(e)) for e in _scan.scan(d, sys.maxsize)[1]]),
+                       ("python", lambda d: [list(e) for e in S.scan_python(d, sys.maxsize)[1]])):
         shim.shim_arm(1)
         entries = scan(sys.argv[1])
         shim.shim_arm(0)
@@ -277,8 +281,8 @@ _PEAK_GROWTH = textwrap.dedent("""
     from store import scan as S, _scan
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    entries = (_scan.read(sys.argv[1], _scan.list(sys.argv[1])) if sys.argv[2] == "c"
-               else S.read_python(sys.argv[1], S.list_python(sys.argv[1])))
+    entries = (_scan.scan(sys.argv[1], sys.maxsize) if sys.argv[2] == "c"
+               else S.scan_python(sys.argv[1], sys.maxsize))[1]
     print(len(entries), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """)
 
@@ -298,3 +302,25 @@ def test_a_scan_keeps_only_what_it_read(tmp_dir: Path) -> None:
             listed, growth[path] = map(int, done.stdout.split())
             assert listed == count
     assert growth["c"] <= growth["python"] + 8, growth  # MiB
+
+
+def test_the_first_batch_read_with_the_listing_is_the_same_on_both_paths(tmp_dir: Path, make_writer) -> None:
+    """scan(directory, first) reads about ``first`` stores with the listing, never separating two stores of one
+    pid (batch_end), in C as in the twin; a later batch is read by name."""
+    seed = make_writer(agent_name="seed")
+    template = seed.path.read_bytes()
+    seed.close()
+    seed.path.unlink()
+    for pid, marker in ((7, 1), (7, 2), (7, 3), (70, 1), (8, 1), (8, 2), (9, 1)):
+        (tmp_dir / f"nixl.{pid}.{marker}.0.mmap").write_bytes(template)
+    for first in range(-1, 12):
+        names, from_c = _c.scan(tmp_dir, first)
+        python_names, from_python = S.scan_python(tmp_dir, first)
+        assert names == python_names == sorted(names)
+        assert [tuple(S.Entry._make(e)) for e in from_c] == [tuple(e) for e in from_python]
+        assert len(from_c) == S.batch_end(names, 0, first)
+    names = _c.scan(tmp_dir, 0)[0]
+    # "nixl.7.1", "nixl.7.2", "nixl.7.3" | "nixl.70.1" | "nixl.8.1", "nixl.8.2" | "nixl.9.1"
+    assert [S.batch_end(names, 0, n) for n in (1, 2, 3, 4, 5, 7, 8)] == [3, 3, 3, 4, 6, 7, 7]
+    assert [tuple(S.Entry._make(e)) for e in _c.read(tmp_dir, names[3:6])] == \
+        [tuple(e) for e in S.read_python(tmp_dir, names[3:6])]
