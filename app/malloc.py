@@ -15,7 +15,6 @@ process is the host's, and how it allocates is none of our business.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger("nixl_prometheus_mp.malloc")
@@ -27,8 +26,10 @@ MMAP_THRESHOLD = 128 << 10  # glibc's own starting value, kept
 def give_large_frees_back() -> bool:
     """Fix glibc's mmap threshold; False where that cannot be done (not glibc: musl maps large blocks anyway)."""
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
+        # The symbols the process has loaded already (libc's among them): nothing to look up or to spawn
+        # (ctypes.util.find_library runs ldconfig), in a server that is starting.
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
         return False
     if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
         log.debug("mallopt(M_MMAP_THRESHOLD) was refused: a large body's memory may stay with this process")
