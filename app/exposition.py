@@ -362,6 +362,7 @@ class Exposition:
         self.openmetrics = openmetrics
         self._families: list[list[bytes]] = [[header] for header in (_OM_HEADERS if openmetrics else _TEXT_HEADERS)]
         self._pending: list[list[bytes]] = [[] for _ in FAMILIES]  # each family's pieces yet to be joined
+        self._pending_bytes = [0] * len(FAMILIES)
         self.stores = 0
 
     def add(self, snapshots: Sequence[Snapshot]) -> None:
@@ -375,12 +376,14 @@ class Exposition:
             # The same fill in C, without the GIL; None leaves it to the loop below (a forged store whose
             # cumulative bucket counts pass 2**64).
             pieces = _native.render(_PLAN, words_of, buckets_of, [lines.small for lines in lines_of])
-        for family, pending, piece in zip(self._families, self._pending,
-                                          pieces or _render_python(words_of, buckets_of, lines_of), strict=True):
+        for i, piece in enumerate(pieces or _render_python(words_of, buckets_of, lines_of)):
+            pending = self._pending[i]
             pending.append(piece)
-            if sum(map(len, pending)) >= self.PIECE_BYTES:
-                family.append(piece if len(pending) == 1 else b"".join(pending))
+            self._pending_bytes[i] += len(piece)
+            if self._pending_bytes[i] >= self.PIECE_BYTES:
+                self._families[i].append(piece if len(pending) == 1 else b"".join(pending))
                 pending.clear()
+                self._pending_bytes[i] = 0
         self.stores += len(snapshots)
 
     def finish(self, tail: bytes = b"") -> Body:

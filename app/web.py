@@ -230,9 +230,9 @@ class SharedScrapes:
         """The body of ``form`` for a request arriving now, and what to call once its answer is sent (or cut)."""
         with self._lock:
             flight, lead, done = self._waiting, False, False
-            latest = max((held for held in self._held if form in held.bodies), key=lambda held: held.seq,
-                         default=None)
             if flight is None:  # (a waiting flight holds no body yet: joining it costs nothing)
+                latest = max((held for held in self._held if form in held.bodies), key=lambda held: held.seq,
+                             default=None)
                 if (latest is not None
                         and len(self._held) >= max(2, min(self.MAX_HELD, self.HELD_BYTES // max(latest.size, 1)))):
                     flight, done = latest, True
@@ -287,8 +287,8 @@ class SharedScrapes:
 
         def publish(views: Sequence[RankView]) -> None:
             nonlocal live, departed
-            live += sum(view.alive for view in views)
-            departed += sum(not view.alive for view in views)
+            alive = sum(view.alive for view in views)
+            live, departed = live + alive, departed + len(views) - alive
             snapshots = [view.snapshot for view in views]
             for exposition in expositions.values():
                 exposition.add(snapshots)

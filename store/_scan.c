@@ -233,6 +233,12 @@ static void free_data(Entry *entries, size_t count) {
     free(entries);
 }
 
+/* OSError for errno ``err`` (saved while the GIL was released) on ``filename``. */
+static void os_error(int err, PyObject *filename) {
+    errno = err;
+    PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, filename);
+}
+
 /* One Entry as the twin's tuple: (name, outcome, errno, alive, uid, ino, data). */
 static PyObject *entry_tuple(const Entry *e, PyObject *name) {
     PyObject *data = e->outcome != OK && e->outcome != SHORT ? Py_NewRef(Py_None)
@@ -276,8 +282,7 @@ static PyObject *read_stores(PyObject *module, PyObject *args) {
         saved_errno = errno;
     Py_END_ALLOW_THREADS
     if (rc != 0) {
-        errno = saved_errno;
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, directory);
+        os_error(saved_errno, directory);
         goto done;
     }
     result = PyList_New((Py_ssize_t)count);
@@ -334,8 +339,7 @@ static PyObject *scan(PyObject *module, PyObject *args) {
         saved_errno = errno;
     Py_END_ALLOW_THREADS
     if (rc != 0) {
-        errno = saved_errno;
-        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, directory);
+        os_error(saved_errno, directory);
         goto done;
     }
     PyObject *listed = PyList_New((Py_ssize_t)count), *first_read = listed ? PyList_New((Py_ssize_t)batch) : NULL;
