@@ -772,6 +772,49 @@ def test_bind_warning_names_a_foreign_program(tmp_dir, caplog):
     assert len(messages) == 1 and "cannot bind it: the port is in use by another program." in messages[0], messages
 
 
+@contextlib.contextmanager
+def port_held_by_no_process(port: int) -> Iterator[Callable[[], None]]:
+    """127.0.0.1:``port`` listening, its socket's only reference in flight on a Unix socket: in no process's
+    descriptor table, as when its last holder is ending.  Yields what frees it."""
+    listener = listening_socket(port)
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        with listener:
+            socket.send_fds(sender, [b"x"], [listener.fileno()])
+
+        def free() -> None:
+            _, fds, _, _ = socket.recv_fds(receiver, 1, 1)
+            for fd in fds:
+                os.close(fd)
+        yield free
+
+
+def test_a_port_no_process_holds_is_said_only_when_it_stays_held(tmp_dir, caplog):
+    """A won election whose port no process holds: its last holder is ending (a server and its spare killed
+    together free the lock a few milliseconds before the spare's copy of the port).  Given back without a word;
+    the next claim binds once the port is free.  Still held at the next claim, it is a program this rank cannot
+    see (another user's): said as any foreign one."""
+    caplog.set_level(logging.WARNING, logger="nixl_prometheus_mp")
+
+    def bind_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cannot bind" in r.getMessage()]
+
+    def recording(exp: Exporter, until: Callable[[], Any]) -> Callable[[], Any]:
+        return lambda: exp.record_error("backend") or until()  # (each export may claim, every 200 ms at most)
+
+    port = free_port()
+    with port_held_by_no_process(port) as free, Exporter("ending", exporter_env(tmp_dir, port)) as exp:
+        assert not exp.serving and bind_warnings() == []
+        free()
+        wait_until(recording(exp, lambda: exp.serving), message="the rank serving once the port is free")
+    assert bind_warnings() == [], caplog.text
+    port = free_port()
+    with port_held_by_no_process(port), Exporter("unseen", exporter_env(tmp_dir / "unseen", port)) as exp:
+        messages = wait_until(recording(exp, bind_warnings), message="the port said in use")
+        assert not exp.serving
+    assert len(messages) == 1 and "cannot bind it: the port is in use by another program." in messages[0], messages
+
+
 def test_ranks_disagreeing_on_bind_scope_are_told_the_truth(tmp_dir, caplog):
     port = free_port()
     caplog.set_level(logging.WARNING, logger="nixl_prometheus_mp")

@@ -68,9 +68,11 @@ class ServerSpec:
     agent_name: str | None
 
 
-class _PortHeldBySpare(Exception):
-    """Won the election the instant the server died, before its spare: the spare serves the port, and wins
-    the lock as soon as we give it back."""
+class _PortStillHeld(Exception):
+    """Won the election the instant its last holder lost it, before the port followed: our server's spare
+    (which serves the port, and wins the lock as soon as we give it back), or the last of our processes that
+    held the port, still ending (a server and its spare killed together: the server's lock goes a few
+    milliseconds before the spare's copy of the port).  Given back and tried again soon, without a word."""
 
 
 class ScrapeEndpoint:
@@ -99,6 +101,7 @@ class ScrapeEndpoint:
         self._failures = 0  # starts in a row whose server ended before it was ready
         self._retry_at_ns = 0  # (CLOCK_MONOTONIC) no start before this
         self._asked_at_ns: int | None = None  # when another run's server was last asked to yield the port
+        self._unheld = False  # the last won election found the port held by no process this one can see
         self._server: BoundedServer | None = None  # thread mode: our server and listener
         self._listener: socket.socket | None = None
         self._socket_ids: list[tuple[int, int]] = []  # thread mode: (descriptor, inode) of both listening sockets
@@ -166,7 +169,7 @@ class ScrapeEndpoint:
             return TakeOver(Claim.LOST)
         try:
             listener = self._bind(now_ns, constructing)
-        except _PortHeldBySpare:
+        except _PortStillHeld:
             self.election.release()
             return TakeOver(Claim.LOST)
         except (OSError, RuntimeError, MemoryError) as exc:
@@ -181,13 +184,19 @@ class ScrapeEndpoint:
 
     def _bind(self, now_ns: int, constructing: bool) -> socket.socket:
         try:
-            return bind_listener(self.host, self.port)
+            listener = bind_listener(self.host, self.port)
+            self._unheld = False
+            return listener
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
-            holders = [pid for pid in listening_pids(self.port) if pid != os.getpid()]
-            if self._held_by_our_spare(holders):
-                raise _PortHeldBySpare() from None
+            holders = listening_pids(self.port)
+            # A port that no process holds twice in a row is held by one this process cannot see (another
+            # user's, another PID namespace's): said, as any foreign program is, below.
+            ending, self._unheld = not holders and not self._unheld, not holders
+            holders = [pid for pid in holders if pid != os.getpid()]
+            if ending or self._held_by_our_spare(holders):
+                raise _PortStillHeld() from None
             if self._asked_at_ns is not None and now_ns - self._asked_at_ns < ASK_AGAIN_NS:
                 raise
             # The address server of another run (or of this directory before it was replaced): it gives the port
