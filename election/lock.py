@@ -237,31 +237,6 @@ def open_lock_file(path: Path) -> int:
     return fd
 
 
-def flock_entries(st: os.stat_result) -> list[tuple[bool, int]]:
-    """The flocks the kernel lists (/proc/locks) on the file ``st`` describes: (blocked, pid) each.
-
-    ``blocked``: a request waiting for the lock ("->" lines); the pid is as this process's pid namespace
-    sees it (0 from another one).  Empty where /proc/locks cannot be read.
-    """
-    device = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-    entries = []
-    try:
-        with stdio_occupied(), open("/proc/locks", encoding="ascii", errors="replace") as locks:
-            for line in locks:
-                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF", a waiter "1: -> FLOCK  ADVISORY  WRITE ..."
-                fields = line.split()
-                blocked = len(fields) > 1 and fields[1] == "->"
-                fields = fields[2:] if blocked else fields[1:]
-                if len(fields) < 5 or fields[0] != "FLOCK" or not fields[3].isdigit():
-                    continue
-                major, minor, inode = fields[4].split(":")
-                if (int(major, 16), int(minor, 16), int(inode)) == device:
-                    entries.append((blocked, int(fields[3])))
-    except (OSError, ValueError):
-        return []
-    return entries
-
-
 def held_addresses_except(directory: str | os.PathLike[str], address: str) -> list[str]:
     """The other addresses that some live process is elected on.
 

@@ -40,8 +40,7 @@ from support import (
 )
 
 from app import Exporter
-from app.probe import SPARE_COMM, is_address_server, listening_pids
-from election.lock import flock_entries
+from app.probe import SPARE_COMM, flock_entries, is_address_server, listening_pids
 from store import EventType, Snapshot, StoreIdentity, StoreWriter, read_snapshot
 
 pytestmark = pytest.mark.usefixtures("helper_mode")
