@@ -100,8 +100,8 @@ class OwnerWatch:
     """Other live owners of the directory, each warned about once.
 
     Checked when an Exporter starts, then at most every WATCH_INTERVAL_NS from
-    the owner's scrapes and the writers' re-elections: the owner that elected
-    first also learns of a second owner that appeared after it.
+    the scrapes of whoever serves: the owner that elected first also learns of
+    a second owner that appeared after it.
     """
 
     WATCH_INTERVAL_NS = 10_000_000_000

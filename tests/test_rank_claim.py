@@ -8,8 +8,10 @@ server's own succession (its spare) is tests/test_address_server.py's.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import textwrap
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from support import (  # noqa: F401  (pytest fixtures)
     reaper_fixture,
     select_pid,
     start_exporter_rank,
+    start_rank,
     try_scrape,
     wait_until,
 )
@@ -144,6 +147,53 @@ def test_a_rank_that_lost_uses_no_cpu(tmp_dir: Path, reaper: Reaper) -> None:
     time.sleep(3.0)  # the interval measured, not a wait for a state
     used = proc_cpu_s(other.pid) - before
     assert used < 0.05, f"an idle rank used {used:.3f} s of CPU in 3 s"
+
+
+# A rank recording flat out for 1.5 s (its claims every 200 ms), counting through the interpreter's audit events
+# every listing of its directory: those its constructor made, and those its export path made.
+LISTINGS_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    from app import Exporter
+    from app.health import OwnerWatch
+
+    OwnerWatch.WATCH_INTERVAL_NS = 0  # a duplicate-owner check would be due at every claim
+    directory = os.path.realpath(os.environ["NIXL_TELEMETRY_MULTIPROC_DIR"])
+    listings = []
+
+    def audit(event, args):
+        if event in ("os.scandir", "os.listdir") and args and args[0] is not None:
+            if os.path.realpath(os.fsdecode(os.fspath(args[0]))) == directory:
+                listings.append(event)
+
+    sys.addaudithook(audit)
+    exp = Exporter(sys.argv[1])
+    constructing = len(listings)
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        exp.record_transfer(10, 1, 64, True)
+        time.sleep(0.001)
+    print(json.dumps({"serving": exp.serving, "constructing": constructing,
+                      "recording": len(listings) - constructing}), flush=True)
+    sys.stdin.readline()  # (serving from a thread, the first keeps the address until the second reported)
+    exp.close()
+""")
+
+
+@pytest.mark.usefixtures("serve_mode")
+def test_the_export_path_never_lists_the_directory(tmp_dir: Path, reaper: Reaper) -> None:
+    """Listing the directory takes 80 ms for 150 000 files: a pause in the host's recording thread.  A rank
+    lists it as it starts (the duplicate-owner check, said once); from then on whoever serves checks, from its
+    scrapes.  The rank that serves and the one that lost alike."""
+    port = free_port()
+    ranks = [start_rank(reaper, LISTINGS_SCRIPT, exporter_env(tmp_dir, port), args=(agent,))
+             for agent in ("first", "second")]
+    reports = [json.loads(rank.readline(START_DEADLINE_S + 5)) for rank in ranks]
+    for rank in ranks:
+        rank.send("exit")
+        rank.proc.wait(timeout=DEADLINE_S)
+    assert sorted(report["serving"] for report in reports) == [False, True], reports
+    assert all(report["constructing"] >= 1 for report in reports), reports  # (the count sees a listing)
+    assert [report["recording"] for report in reports] == [0, 0], reports
 
 
 def _final_values(i: int) -> list[tuple[EventType, int]]:
