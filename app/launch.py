@@ -106,7 +106,12 @@ def bootstrap(state: dict[str, Any]) -> bytes:
     return ("import os, signal, sys\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
             "if os.fork():\n    os._exit(0)\n"
             f"sys.path[:] = {helper_sys_path()!r}\n"
-            f"from app.address.server import main\nmain({json.dumps(state)!r})\n").encode()
+            # What fails before main() (memory for the imports, a broken install) is said on the status pipe as
+            # main() says its own failures, for the starter's log: this process's stderr goes nowhere.
+            "try:\n    from app.address.server import main\nexcept BaseException as exc:\n"
+            "    os.write(1, f'E{type(exc).__name__}: {exc} (as it loaded its code)'[:4000].encode(errors='replace')"
+            " + b'\\n')\n    os._exit(1)\n"
+            f"main({json.dumps(state)!r})\n").encode()
 
 
 class StartFailed(Exception):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import http.client
 import json
 import os
 import signal
@@ -43,6 +42,8 @@ def http_get(host: str, port: int, path: str, timeout_s: float = 1.0) -> tuple[i
     With http.client, which never consults http_proxy/no_proxy: the address is on this host, and a proxy
     from the environment (many corporate shells set one) would not reach it, or would answer for it.
     """
+    import http.client  # (here: a rank imports this module, and never asks; http.client weighs 6 MiB)
+
     connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         connection.request("GET", path)

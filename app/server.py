@@ -60,11 +60,6 @@ class _QuietHandler(PersistentHandler):
         log.debug("telemetry endpoint, client %s: " + message, self.address_string(), *args)
 
 
-def _open_listener(family: int) -> socket.socket:
-    with stdio_occupied():
-        return socket.socket(family, socket.SOCK_STREAM)
-
-
 class BoundedServer(ThreadedWSGIServer):
     """werkzeug's threaded server with a bound on connections and on how long each may last.
 
@@ -203,30 +198,6 @@ class BoundedServer(ThreadedWSGIServer):
 def _format_address(address: Any) -> str:
     host, port = address[:2]
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """Bind and listen ourselves, so a failure is ours to report.
-
-    (werkzeug's own bind prints to stderr and calls sys.exit on failure,
-    which must never happen inside a rank.)  SO_REUSEADDR lets a new owner
-    bind while the dead owner's connections sit in TIME_WAIT; it does not
-    let two processes listen on one port.
-    """
-    sock = _open_listener(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        # Non-blocking, for every holder of this socket (the flag belongs to the open file description, which
-        # the address server is handed): where two threads or processes poll one listener, both wake for a
-        # connection and one of them accepts it; the other's accept() must fail with EAGAIN, which
-        # socketserver ignores, not block its serving loop until the next client.
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def _serve_forever(server: BoundedServer) -> None:

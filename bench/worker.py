@@ -237,7 +237,8 @@ def fill_ref(count: int, directory: str) -> tuple[dict[str, Any], Handler]:
 
 
 def _serve(app: Any) -> tuple[int, Any]:
-    from app.server import bind_listener, serve_in_thread
+    from app.listener import bind_listener
+    from app.server import serve_in_thread
 
     sock = bind_listener("127.0.0.1", 0)
     port = sock.getsockname()[1]

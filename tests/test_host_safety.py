@@ -134,7 +134,9 @@ def address_given_up(directory: Path, port: int) -> None:
     """Wait (bounded) until the port and the election are free: at once once a rank serving from a thread is
     gone; an address server (the job's) goes once nothing of the directory is live nor within the TTL."""
     lock = directory / lock_file_name(f"127.0.0.1:{port}")
-    wait_until(lambda: can_bind(port) and lock_is_free(lock), message=f"port {port} and its election free")
+    # (No lock file: no election ever ran, a rank that exited while its first Exporter was being made.)
+    wait_until(lambda: can_bind(port) and (not lock.exists() or lock_is_free(lock)),
+               message=f"port {port} and its election free")
 
 
 # -- item: a forked child never holds the parent's listener ---------------------------------------------------
@@ -294,10 +296,10 @@ def test_takeover_without_resources_releases_the_election_and_exports_never_rais
     child.proc.wait(timeout=30)
     log = child.stderr_text()
     # Said once: the rank's own shortage, or (out of threads in helper mode) its server's, which inherits the
-    # rank's RLIMIT_AS and cannot start its serving thread either.
+    # rank's RLIMIT_AS and cannot start its serving thread either, or even load its code.
     if serve_mode == "helper" and limit == "threads":  # each way its server failed, once (it may also die unheard)
         assert warnings() and all("could not start" in line for line in warnings()), log
-        assert any("can't start new thread" in line for line in warnings()), log
+        assert any("can't start new thread" in line or "MemoryError" in line for line in warnings()), log
     else:
         assert len(warnings()) == 1 and "cannot serve" in warnings()[0], log
         assert ("can't start new thread" if limit == "threads" else "Too many open files") in warnings()[0], log

@@ -23,7 +23,8 @@ from support import DEADLINE_S, wait_until
 import app.connections
 import app.http
 from app.collector import Collector
-from app.server import BoundedServer, bind_listener, serve_in_thread
+from app.listener import bind_listener
+from app.server import BoundedServer, serve_in_thread
 from app.web import MetricsApp
 from store import EventType, StoreWriter
 

@@ -162,7 +162,7 @@ def _failures(procs: list[subprocess.Popen[bytes]], reported: dict[int, str]) ->
 
 def _check_port_free(port: int) -> None:
     """Refuse, naming the holder, a port another program already listens on."""
-    from app.server import bind_listener
+    from app.listener import bind_listener
 
     try:
         bind_listener("127.0.0.1", port).close()

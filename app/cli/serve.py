@@ -22,7 +22,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from app.aggregator.hooks import drain_time, hold_election, port_problem, release_election
     from app.aggregator.settings import prepare_standalone
     from app.aggregator.wsgi import build_app
-    from app.server import bind_listener, serve_in_thread
+    from app.listener import bind_listener
+    from app.server import serve_in_thread
 
     config = Config.from_env()
     prepare_standalone(config)

@@ -31,17 +31,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.health import WarningDoc, owner_doc, replaced_warning
 from app.launch import ERROR, READY, WARNING, ServerArgs, Started, StartFailed, launch, unusable
+from app.listener import bind_listener
 from app.probe import holds_file, is_address_server, listening_pids, signal_address_server
 from app.rank.claims import NEVER, RETRY_NS, Claim, ClaimLog, TakeOver
-from app.server import BoundedServer, bind_listener, serve_in_thread
-from app.web import MetricsApp
 from election import Outcome, OwnerElection
 from election.lock import SCARCE
 from store.warnonce import OnceWarner
+
+if TYPE_CHECKING:
+    from app.server import BoundedServer
+    from app.web import MetricsApp
 
 log = logging.getLogger("nixl_prometheus_mp.endpoint")
 _warner = OnceWarner(log)
@@ -83,15 +86,23 @@ class ScrapeEndpoint:
     it made as it returns.
     """
 
-    def __init__(self, election: OwnerElection, host: str, port: int, app: MetricsApp, spec: ServerSpec | None,
-                 on_watch: Callable[[], None], has_store: Callable[[], bool] = lambda: True) -> None:
-        self.election, self.host, self.port, self.app = election, host, port, app
+    def __init__(self, election: OwnerElection, host: str, port: int, make_app: Callable[[], MetricsApp],
+                 spec: ServerSpec | None, on_watch: Callable[[], None],
+                 has_store: Callable[[], bool] = lambda: True) -> None:
+        self.election, self.host, self.port = election, host, port
         # Whether this rank's store is on disk: one whose directory was replaced has none until it records again,
         # and a server started for a directory with nothing to publish would exit at once (and again, and again).
         self._has_store = has_store
         # None: thread mode (asked for, or no address server can run here: said once, when it matters).
         self.spec = spec
         self._no_server = None if spec is None else unusable()
+        # Thread mode's server and app, loaded now where this rank may serve from a thread (a takeover would pay
+        # werkzeug's import, ~100 ms), and nowhere else: a rank that starts address servers loads no HTTP server.
+        self.app: MetricsApp | None = None
+        if spec is None or self._no_server is not None:
+            import app.server  # noqa: F401
+
+            self.app = make_app()
         self._on_watch = on_watch
         self._lock = threading.RLock()
         self._closed = False
@@ -287,6 +298,9 @@ class ScrapeEndpoint:
         self._retry_at_ns = time.monotonic_ns() + int(backoff_s * 1e9)
 
     def _serve_from_thread(self, listener: socket.socket) -> TakeOver:
+        from app.server import serve_in_thread
+
+        assert self.app is not None
         try:
             self._server, _ = serve_in_thread(listener, self.app, f"nixl-metrics-{self.port}")
         except (OSError, RuntimeError, MemoryError) as exc:

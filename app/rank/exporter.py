@@ -19,9 +19,8 @@ import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.collector import Collector
 from app.config import (
     ENABLE_ENV,
     EXPORTER_ENV,
@@ -38,10 +37,12 @@ from app.rank import endpoint as endpoint_module
 from app.rank.claims import BACKOFF_NS, NEVER
 from app.rank.endpoint import ScrapeEndpoint, ServerSpec
 from app.rank.recording import Recording
-from app.web import MetricsApp
 from election import OwnerElection
 from store import StoreIdentity, StoreWriter
 from store.recorders import NullSink
+
+if TYPE_CHECKING:
+    from app.web import MetricsApp
 
 log = logging.getLogger("nixl_prometheus_mp")
 
@@ -82,11 +83,16 @@ def _start_endpoint(config: Config, agent_name: str, writer: StoreWriter) -> tup
         endpoint.watch()
         return endpoint.warnings() + health_warnings(owners, election)
 
-    app = MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings,
-                     on_scrape=lambda: endpoint.watch())
+    def make_app() -> MetricsApp:  # (thread mode only: see ScrapeEndpoint)
+        from app.collector import Collector
+        from app.web import MetricsApp
+
+        return MetricsApp(Collector(config.directory, config.stale_ttl_s), owner, warnings,
+                          on_scrape=lambda: endpoint.watch())
+
     spec = None if config.serve == "thread" else ServerSpec(config.directory, config.stale_ttl_s, config.drain_max_s,
                                                             config.address, agent_name)
-    endpoint = ScrapeEndpoint(election, config.host, config.port, app, spec, on_watch=owners.poll,
+    endpoint = ScrapeEndpoint(election, config.host, config.port, make_app, spec, on_watch=owners.poll,
                               has_store=lambda: writer.path.exists())
     return endpoint, owners
 
