@@ -40,7 +40,7 @@ TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.EN
 _INTERPRETER_NAME = re.compile(r"(python|pypy|graalpy|graalpython)[0-9.]*(d|dm|m|t|_d|-dbg)?(\.exe)?",
                                re.IGNORECASE)
 # The directory holding this package (a .pyz for a zipapp): on the process's sys.path if the starter's lacks it.
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # The whole program but the interpreter's flags and helper_command(): the rest is read from stdin, whole.
 BOOT_COMMAND = "import os;exec(os.read(0,os.fstat(0).st_size))"
 

@@ -356,15 +356,16 @@ def _package_copy(into: Path) -> None:
         shutil.copytree(PROJECT_ROOT / package, into / package, ignore=shutil.ignore_patterns("__pycache__", "*.c"))
 
 
-@pytest.mark.parametrize("install", ["zipapp", "site-packages", "debug-interpreter"])
+@pytest.mark.parametrize("install", ["zipapp", "site-packages", "debug-interpreter", "checkout"])
 def test_the_server_starts_from_any_install(tmp_dir: Path, tmp_path: Path, reaper: Reaper, install: str) -> None:
     """A zipapp host; a package installed after the standard library (a module there named like a standard one
-    must not shadow it in the server); an interpreter named like a debug build."""
+    must not shadow it in the server); an interpreter named like a debug build; a rank run from a source tree
+    that is not installed (its sys.path[0] is "", the working directory, which the server, in /, drops)."""
     port = free_port()
     env = child_env(exporter_env(tmp_dir, port, **HELPER))
     env.pop("PYTHONPATH")
     command = [sys.executable, "-E", "-c", FLAGGED_RANK]
-    where = tmp_path
+    where = cwd = tmp_path
     if install == "zipapp":
         source = tmp_path / "source"
         _package_copy(source)
@@ -378,13 +379,20 @@ def test_the_server_starts_from_any_install(tmp_dir: Path, tmp_path: Path, reape
         (site / "selectors.py").write_text("raise ImportError('site-packages ahead of the standard library')\n")
         env["RANK_SITE"] = str(site)
         where = site
-    else:
+    elif install == "debug-interpreter":
         link = tmp_path / "python3.11-dbg"
         link.symlink_to(sys.executable)
         env["RANK_EXECUTABLE"] = str(link)
         env["RANK_ROOT"] = str(PROJECT_ROOT)
         where = PROJECT_ROOT
-    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    elif install == "checkout":
+        where = cwd = tmp_path / "checkout"
+        _package_copy(where)
+        # No site: nothing installed (this project's own editable install) finds the package for the server; the
+        # dependencies through PYTHONPATH, where no .pth file runs.
+        command = [sys.executable, "-S", "-c", FLAGGED_RANK]
+        env["PYTHONPATH"] = sysconfig.get_path("purelib")
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()  # type: ignore[union-attr]
